@@ -1,0 +1,180 @@
+"""Training configuration: one typed dataclass, filled from a YAML file and/or CLI flags.
+
+Every field is a flag of the same name (``--learning_rate 1e-5``); ``--config run.yaml`` reads
+defaults from a YAML mapping of the same names first, so the CLI wins. Unknown keys are an
+error, never silently ignored. The seed's flags keep their names and meanings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DEFAULT_MODEL = "facebook/blenderbot-400M-distill"
+DEFAULT_DATASET = "smangrul/MuDoConv"
+TRACKERS = ("tensorboard", "wandb", "trackio", "all")
+
+
+def _doc(text: str, **kw):
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class TrainConfig:
+    # --- model and data
+    model_name_or_path: str = _doc("Hub id, local checkpoint directory, or a preset: 'tiny', 'random-400M' (offline).", default=DEFAULT_MODEL)
+    dataset_name: str | None = _doc("Hub dataset id, or 'sample' for the shipped sample data.", default=DEFAULT_DATASET)
+    train_file: str | None = _doc("Local train file (.jsonl/.json/.csv/.parquet); overrides dataset_name.", default=None)
+    validation_file: str | None = _doc("Local validation file (same formats).", default=None)
+    n_train: int | None = _doc("Use only the first N train rows (seed behaviour, no shuffle before the cut).", default=None)
+    n_val: int | None = _doc("Use only the first N validation rows.", default=None)
+    source_prefix: str = _doc("Text prepended to every source at tokenization (the seed used 'chatbot: ').", default="chatbot: ")
+    max_source_length: int = _doc("Encoder tokens; long dialogues drop their oldest turns to fit.", default=128)
+    max_target_length: int = _doc("Label tokens for training.", default=64)
+    val_max_target_length: int | None = _doc("Max generated length at evaluation (default: max_target_length).", default=None)
+    val_min_target_length: int = _doc("Min generated length at evaluation.", default=20)
+    pad_to_max_length: bool = _doc("Pad every batch to the max lengths (seed); default pads per batch.", default=False)
+    # --- evaluation
+    num_beams: int = _doc("Beams for evaluation generation.", default=10)
+    no_repeat_ngram_size: int = _doc("Evaluation n-gram blocking in the output.", default=3)
+    encoder_no_repeat_ngram_size: int = _doc("Evaluation blocking of n-grams copied from the input.", default=3)
+    repetition_penalty: float = _doc("Evaluation repetition penalty.", default=1.2)
+    n_val_batch_generations: int = _doc("Evaluation batches whose (prompt, prediction, reference) are logged.", default=5)
+    # --- optimisation
+    per_device_train_batch_size: int = _doc("Micro-batch per process.", default=8)
+    per_device_eval_batch_size: int = _doc("Evaluation batch per process.", default=8)
+    learning_rate: float = _doc("Peak learning rate.", default=5e-5)
+    weight_decay: float = _doc("AdamW weight decay.", default=0.0)
+    num_train_epochs: int = _doc("Epochs (ignored when max_train_steps is set).", default=1)
+    max_train_steps: int | None = _doc("Total optimizer steps; overrides num_train_epochs.", default=None)
+    gradient_accumulation_steps: int = _doc("Micro-batches per optimizer step.", default=1)
+    lr_scheduler_type: str = _doc("transformers scheduler when the DeepSpeed JSON has none.", default="linear")
+    num_warmup_steps: int = _doc("Warm-up steps of the learning-rate schedule.", default=0)
+    max_grad_norm: float = _doc("Gradient clipping (fills DeepSpeed's 'auto').", default=1.0)
+    seed: int = _doc("Random seed.", default=42)
+    # --- logging, checkpoints, hub
+    output_dir: str = _doc("Where metrics, checkpoints and the final model go.", default="runs/latest")
+    logging_steps: int = _doc("Log loss / lr / speed every N optimizer steps.", default=10)
+    with_tracking: bool = _doc("Also log to the trackers in report_to.", default=False)
+    report_to: str = _doc("Tracker: tensorboard, wandb, trackio or all.", default="tensorboard")
+    report_name: str = _doc("Tracker project/run name.", default="blenderbot_finetuning")
+    checkpointing_steps: int | None = _doc("Save full training state every N steps (and at each epoch end).", default=None)
+    checkpoints_total_limit: int = _doc("Keep this many step checkpoints (older ones are deleted).", default=2)
+    resume_from_checkpoint: str | None = _doc("'latest' or a checkpoint directory to continue from.", default=None)
+    push_to_hub: bool = _doc("Upload the final model to the Hub.", default=False)
+    hub_model_id: str | None = _doc("Hub repo 'user/name' for push_to_hub.", default=None)
+    hub_private: bool = _doc("Create the Hub repo as private.", default=False)
+
+    def __post_init__(self):
+        if self.train_file is None and self.dataset_name is None:
+            raise ValueError("give --dataset_name or --train_file")
+        if (self.train_file is None) != (self.validation_file is None):
+            raise ValueError("--train_file and --validation_file go together")
+        for name in ("max_source_length", "max_target_length", "per_device_train_batch_size",
+                     "per_device_eval_batch_size", "num_train_epochs", "gradient_accumulation_steps",
+                     "num_beams", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("n_train", "n_val", "max_train_steps", "checkpointing_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be >= 1, got {value}")
+        if self.val_max_target_length is None:
+            self.val_max_target_length = self.max_target_length
+        if self.val_min_target_length > self.val_max_target_length:
+            raise ValueError("--val_min_target_length is larger than --val_max_target_length")
+        if self.learning_rate <= 0:
+            raise ValueError("--learning_rate must be > 0")
+        if self.report_to not in TRACKERS:
+            raise ValueError(f"--report_to must be one of {', '.join(TRACKERS)}")
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id user/name")
+        if self.hub_model_id and self.hub_model_id.count("/") != 1:
+            raise ValueError(f"--hub_model_id must look like 'user/name', got {self.hub_model_id!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """The concrete type behind ``int | None`` style annotations."""
+    hint = typing.get_type_hints(TrainConfig)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m finetune",
+        description="Fine-tune BlenderBot on MuDoConv-format dialogues with accelerate + DeepSpeed.",
+    )
+    parser.add_argument("--config", help="YAML file of defaults (same keys as the flags).")
+    for f in dataclasses.fields(TrainConfig):
+        kind = _field_type(f)
+        if kind is bool:
+            # `--flag` turns it on (seed style); `--flag false` is accepted too.
+            parser.add_argument(f"--{f.name}", nargs="?", const=True, type=_parse_bool,
+                                default=argparse.SUPPRESS, help=f.metadata["help"])
+        else:
+            parser.add_argument(f"--{f.name}", type=kind, default=argparse.SUPPRESS,
+                                help=f.metadata["help"] + f" (default: {f.default})")
+    return parser
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"cannot read config {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path} must be a mapping of option names to values")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"config {path}: unknown keys {unknown}")
+    return {name: _yaml_value(path, fields[name], value) for name, value in data.items()}
+
+
+def _yaml_value(path: str, f: dataclasses.Field, value):
+    """Give a YAML value the field's type, as the CLI would: YAML reads 5e-5 as a string."""
+    kind = _field_type(f)
+    if value is None and type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[f.name]):
+        return value
+    if kind is bool:
+        typed = isinstance(value, bool)
+    else:  # bool is an int to Python, never to us; an int is a fine float
+        typed = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else kind)
+    if typed:
+        return kind(value)
+    if isinstance(value, str):
+        try:
+            return _parse_bool(value) if kind is bool else kind(value)
+        except (ValueError, argparse.ArgumentTypeError):
+            pass
+    raise ValueError(f"config {path}: {f.name} must be {kind.__name__}, got {value!r}")
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    try:
+        values = load_yaml(args.pop("config")) if args.get("config") else {}
+        args.pop("config", None)
+        values.update(args)
+        return TrainConfig(**values)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))

@@ -1,0 +1,189 @@
+"""Loading, validating and tokenizing dialogue data in the MuDoConv format.
+
+Input is either a Hub dataset (``smangrul/MuDoConv``), the shipped sample (``sample``), or local
+files with ``texts``/``labels`` columns, or structured rows (``kind``, ``context``, ``turns``,
+``response``) that go through ``chat.prompt.build_source``. Everything is checked before
+training starts; a problem is a ``DataError`` naming the file, the row and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from datasets import Dataset, DatasetDict, load_dataset
+
+from chat.prompt import build_source, fit_source, split_source
+
+log = logging.getLogger(__name__)
+
+SAMPLE_DIR = Path(__file__).resolve().parent.parent / "data" / "sample"
+LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+FLAT = ("texts", "labels")
+STRUCTURED = ("kind", "context", "turns", "response")
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, row and problem."""
+
+
+def _first_bad_json_line(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"row {number}: not valid JSON ({err.msg})"
+            if not isinstance(row, dict):
+                return f"row {number}: expected a JSON object, got {type(row).__name__}"
+    return ""
+
+
+def _has_no_rows(file: Path, loader: str) -> bool:
+    """True for a file without data rows: no non-blank line (a csv: none after its header), or
+    a parquet file whose metadata counts 0 rows. Reads at most two lines / the parquet footer."""
+    if loader == "parquet":
+        try:
+            return pq.read_metadata(file).num_rows == 0
+        except Exception:
+            return False  # not a parquet file at all: load_dataset reports that
+    needed = 2 if loader == "csv" else 1
+    with open(file, "rb") as fh:
+        for line in fh:
+            if line.strip():
+                needed -= 1
+                if not needed:
+                    return False
+    return True
+
+
+def _read_file(path: str) -> Dataset:
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"{path}: no such file")
+    loader = LOADERS.get(file.suffix.lower())
+    if loader is None:
+        raise DataError(f"{path}: unsupported file type {file.suffix!r} (use .jsonl, .json, .csv or .parquet)")
+    if _has_no_rows(file, loader):  # datasets fails on these with cryptic errors (or none at all)
+        raise DataError(f"{path}: the file has no rows")
+    try:
+        ds = load_dataset(loader, data_files=str(file), split="train")
+    except Exception as err:  # datasets wraps parser errors in several exception types
+        detail = _first_bad_json_line(path) if loader == "json" else ""
+        cause = err.__cause__ or err
+        first_line = (str(cause).splitlines() or [type(cause).__name__])[0]  # some errors have no message
+        raise DataError(f"{path}: cannot read the file: {detail or first_line}") from None
+    if len(ds) == 0:
+        raise DataError(f"{path}: the file has no rows")
+    return ds
+
+
+def _check_strings(ds: Dataset, column: str, where: str) -> None:
+    """Every value of ``column`` must be a non-empty string."""
+    dtype = ds.features[column]
+    if getattr(dtype, "dtype", None) not in ("string", "large_string"):
+        for i, value in enumerate(ds[column]):
+            if not isinstance(value, str):
+                raise DataError(f"{where}: row {i + 1}: column {column!r} must be text, got {value!r}")
+    arrow = ds.data.table.column(column)
+    empty = pc.or_kleene(pc.is_null(arrow), pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(arrow)), 0))
+    bad = pc.index(empty, True).as_py()
+    if bad >= 0:
+        raise DataError(f"{where}: row {bad + 1}: column {column!r} is empty")
+
+
+def _from_structured(ds: Dataset, where: str) -> Dataset:
+    texts, labels = [], []
+    for i, row in enumerate(ds):
+        try:
+            if not isinstance(row["response"], str) or not row["response"].strip():
+                raise ValueError("'response' must be non-empty text")
+            turns = row["turns"]
+            if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                raise ValueError("'turns' must be a list of strings")
+            texts.append(build_source(row["kind"], row["context"], turns))
+            labels.append(row["response"].strip())
+        except ValueError as err:
+            raise DataError(f"{where}: row {i + 1}: {err}") from None
+    return Dataset.from_dict({"texts": texts, "labels": labels})
+
+
+def validate(ds: Dataset, where: str) -> Dataset:
+    """Check a split and return it with exactly the ``texts`` and ``labels`` columns."""
+    if len(ds) == 0:
+        raise DataError(f"{where}: the split has no rows")
+    columns = set(ds.column_names)
+    if set(FLAT) <= columns:
+        for column in FLAT:
+            _check_strings(ds, column, where)
+        return ds.select_columns(list(FLAT))
+    if set(STRUCTURED) <= columns:
+        return _from_structured(ds, where)
+    raise DataError(
+        f"{where}: expected columns 'texts' and 'labels' (or {', '.join(STRUCTURED)}); "
+        f"found {', '.join(sorted(columns)) or 'none'}"
+    )
+
+
+def load_raw(cfg) -> DatasetDict:
+    """The train and validation splits, validated, cut to n_train / n_val first rows."""
+    if cfg.train_file or cfg.dataset_name == "sample":
+        train_file = cfg.train_file or str(SAMPLE_DIR / "train.jsonl")
+        val_file = cfg.validation_file or str(SAMPLE_DIR / "validation.jsonl")
+        splits = {"train": (_read_file(train_file), train_file), "validation": (_read_file(val_file), val_file)}
+    else:
+        try:
+            hub = load_dataset(cfg.dataset_name)
+        except Exception as err:
+            raise DataError(
+                f"cannot load dataset {cfg.dataset_name!r} from the Hub (offline, not cached, or a typo?): "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
+                "Offline, use --dataset_name sample or --train_file/--validation_file."
+            ) from None
+        for split in ("train", "validation"):
+            if split not in hub:
+                raise DataError(f"dataset {cfg.dataset_name}: no {split!r} split (has {', '.join(hub)})")
+        splits = {s: (hub[s], f"{cfg.dataset_name}[{s}]") for s in ("train", "validation")}
+
+    out = {}
+    for split, limit in (("train", cfg.n_train), ("validation", cfg.n_val)):
+        ds, where = splits[split]
+        if limit is not None:
+            ds = ds.select(range(min(limit, len(ds))))  # the first rows, as the seed did
+        out[split] = validate(ds, where)
+    return DatasetDict(out)
+
+
+def tokenize(raw: DatasetDict, tokenizer, cfg) -> DatasetDict:
+    """Tokenize with ``datasets.map`` (batched, cached), fitting long sources by dropping old turns."""
+    prefix, max_src = cfg.source_prefix, cfg.max_source_length
+    padding = "max_length" if cfg.pad_to_max_length else False
+
+    def count(source: str) -> int:
+        return len(tokenizer(prefix + source).input_ids)
+
+    def preprocess(batch, max_target):
+        sources = [prefix + s for s in batch["texts"]]
+        lengths = [len(ids) for ids in tokenizer(sources).input_ids]
+        for i, n in enumerate(lengths):
+            if n > max_src:  # drop the oldest turns, never the context or the newest turn
+                fitted, _ = fit_source(*split_source(batch["texts"][i]), count, max_src)
+                sources[i] = prefix + fitted
+        model_inputs = tokenizer(sources, max_length=max_src, truncation=True, padding=padding)
+        labels = tokenizer(text_target=batch["labels"], max_length=max_target, truncation=True, padding=padding)
+        pad = tokenizer.pad_token_id
+        model_inputs["labels"] = [[t if t != pad else -100 for t in seq] for seq in labels["input_ids"]]
+        return model_inputs
+
+    out = {}
+    for split, max_target in (("train", cfg.max_target_length), ("validation", cfg.val_max_target_length)):
+        out[split] = raw[split].map(
+            preprocess, batched=True, fn_kwargs={"max_target": max_target},
+            remove_columns=raw[split].column_names, desc=f"tokenizing {split}",
+        )
+    return DatasetDict(out)

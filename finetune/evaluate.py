@@ -1,0 +1,72 @@
+"""Evaluation: eval loss, generation with the seed's settings, sacreBLEU over all processes."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import sacrebleu
+import torch
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def generation_kwargs(cfg) -> dict:
+    """The seed's evaluation generation settings (each one a training flag)."""
+    return dict(
+        max_length=cfg.val_max_target_length,
+        min_length=cfg.val_min_target_length,
+        num_beams=cfg.num_beams,
+        length_penalty=1.0,
+        no_repeat_ngram_size=cfg.no_repeat_ngram_size,
+        encoder_no_repeat_ngram_size=cfg.encoder_no_repeat_ngram_size,
+        repetition_penalty=cfg.repetition_penalty,
+        do_sample=False,
+    )
+
+
+def _decode(tokenizer, ids: torch.Tensor, keep_structure: bool = False) -> list[str]:
+    """Token ids to text; ``keep_structure`` keeps the <s>/</s> turn markers (for prompts)."""
+    rows = [[t for t in row if t >= 0 and t != tokenizer.pad_token_id] for row in ids.tolist()]
+    if keep_structure:
+        rows = [row[:-1] if row and row[-1] == tokenizer.eos_token_id else row for row in rows]
+    return [t.strip() for t in tokenizer.batch_decode(rows, skip_special_tokens=not keep_structure)]
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False) -> dict:
+    """Return eval_loss, eval_bleu, eval_seconds and (prompt, prediction, reference) samples."""
+    model.eval()
+    start = time.perf_counter()
+    generator = accelerator.unwrap_model(model)
+    kwargs = generation_kwargs(cfg)
+    pad = tokenizer.pad_token_id
+    predictions, references, samples, losses = [], [], [], []
+    for step, batch in enumerate(tqdm(dataloader, desc="evaluating", disable=not accelerator.is_local_main_process)):
+        loss = model(**batch).loss.detach().float()
+        losses.append(accelerator.gather_for_metrics(loss.repeat(batch["input_ids"].shape[0])))
+        # ZeRO-3 shards the weights: every rank must take part in every generation step.
+        generated = generator.generate(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], synced_gpus=zero3, **kwargs
+        )
+        generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad)
+        labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)
+        inputs = accelerator.pad_across_processes(batch["input_ids"], dim=1, pad_index=pad)
+        # gather_for_metrics drops the duplicates padding the last uneven batch.
+        generated, labels, inputs = accelerator.gather_for_metrics((generated, labels, inputs))
+        preds, refs = _decode(tokenizer, generated), _decode(tokenizer, labels)
+        predictions += preds
+        references += refs
+        if step < cfg.n_val_batch_generations:
+            samples += [dict(prompt=p, prediction=y, reference=r)
+                        for p, y, r in zip(_decode(tokenizer, inputs, keep_structure=True), preds, refs)]
+    bleu = sacrebleu.corpus_bleu(predictions, [references]).score
+    model.train()
+    return dict(
+        eval_bleu=bleu,
+        eval_loss=torch.cat(losses).mean().item() if losses else float("nan"),
+        eval_samples=len(predictions),
+        eval_seconds=time.perf_counter() - start,
+        samples=samples,
+    )

@@ -1,0 +1,335 @@
+"""The training recipe: BlenderBot on MuDoConv-format data with accelerate (+ DeepSpeed).
+
+Run with ``accelerate launch --config_file configs/accelerate/<name>.yaml -m finetune ...`` or,
+on one process, ``python -m finetune ...``. The straight path: data and model are loaded and
+checked (nothing is written before that), the accelerator prepares everything, the loop trains
+with periodic logging and checkpoints, each epoch ends with an evaluation, and the final model
+is saved (and pushed to the Hub if asked).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler, InitProcessGroupKwargs, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import DataCollatorForSeq2Seq, get_scheduler
+
+from finetune import checkpoint as ckpt
+from finetune.config import TrainConfig, parse_args
+from finetune.data import DataError, load_raw, tokenize
+from finetune.evaluate import evaluate, generation_kwargs
+from finetune.hub import HubError, push, write_model_card
+from finetune.model import ModelLoadError, load_model, load_tokenizer
+
+log = get_logger(__name__)
+
+# After this many consecutive non-finite losses the run stops. fp16 gets room for DeepSpeed's
+# dynamic loss scale to back off (it skips overflowing steps and halves the scale).
+NONFINITE_PATIENCE = {"fp16": 50}
+
+
+class TrainingError(RuntimeError):
+    """A run cannot go on (out of memory, non-finite loss, bad output dir); the message says why."""
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    handlers = []
+    launched_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and "LOCAL_RANK" in os.environ
+    if launched_deepspeed and not torch.cuda.is_available():
+        # DeepSpeed on CPU: without an explicit gloo backend accelerate counts one process.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    trackers = None
+    if cfg.with_tracking:
+        trackers = ["tensorboard", "wandb", "trackio"] if cfg.report_to == "all" else [cfg.report_to]
+    return Accelerator(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        log_with=trackers,
+        project_dir=cfg.output_dir,
+        kwargs_handlers=handlers,
+        # A seeded sampler makes the data order reproducible, so a resumed run sees what an
+        # uninterrupted one would have.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+
+
+def check_output_dir(cfg: TrainConfig) -> None:
+    out = Path(cfg.output_dir)
+    if cfg.resume_from_checkpoint is None and (out / ckpt.METRICS_FILE).exists():
+        raise TrainingError(
+            f"{out} already holds a run; pass --resume_from_checkpoint latest to continue it, "
+            "or choose another --output_dir"
+        )
+
+
+def make_optimizer(accelerator, model, cfg, total_steps: int):
+    """DeepSpeed's own optimizer/scheduler when its JSON defines them, torch/transformers otherwise."""
+    ds = accelerator.state.deepspeed_plugin
+    ds_cfg = ds.deepspeed_config if ds else {}
+    no_decay = ("bias", "layer_norm.weight", "layernorm_embedding.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    if "optimizer" in ds_cfg:
+        optimizer = DummyOptim(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=torch.cuda.is_available())
+    # accelerate expects schedules counted in per-process steps (it divides DeepSpeed's total
+    # by the process count and steps a torch scheduler once per process), hence the scaling.
+    if "scheduler" in ds_cfg:
+        scheduler = DummyScheduler(optimizer, total_num_steps=total_steps * accelerator.num_processes,
+                                   warmup_num_steps=cfg.num_warmup_steps)
+    else:
+        scheduler = get_scheduler(
+            cfg.lr_scheduler_type, optimizer,
+            num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
+            num_training_steps=total_steps * accelerator.num_processes,
+        )
+    if ds and ds_cfg.get("gradient_clipping") == "auto":
+        ds_cfg["gradient_clipping"] = cfg.max_grad_norm
+    return optimizer, scheduler
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT or by a STOP file in the output dir; checked collectively each step."""
+
+    def __init__(self, output_dir: str):
+        self.file = Path(output_dir) / ckpt.STOP_FILE
+        self.signalled = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signalled = True
+
+    def __call__(self) -> bool:
+        return self.signalled or self.file.exists()
+
+
+def save_final(accelerator, model, tokenizer, cfg: TrainConfig, results: dict) -> Path:
+    """save_pretrained (safetensors, full fp32 weights even under ZeRO) + everything chat needs."""
+    state_dict = accelerator.get_state_dict(model)  # every rank: ZeRO-3 gathers shards here
+    dest = Path(cfg.output_dir) / ckpt.FINAL
+    if accelerator.is_main_process:
+        tmp = Path(tempfile.mkdtemp(dir=cfg.output_dir, prefix=".final-"))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the app and a Space serve from it
+        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        gen = unwrapped.generation_config
+        for key, value in generation_kwargs(cfg).items():
+            setattr(gen, key, value)
+        gen.save_pretrained(tmp)
+        (tmp / ckpt.TRAINING_ARGS_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
+        (tmp / ckpt.RESULTS_FILE).write_text(json.dumps(results, indent=2))
+        write_model_card(tmp, cfg, results, accelerator.num_processes)
+        ckpt.publish_dir(tmp, dest)
+    accelerator.wait_for_everyone()
+    return dest
+
+
+def train(cfg: TrainConfig) -> dict:
+    check_output_dir(cfg)
+    # Data and model first: a bad file or model id fails here, before anything is written.
+    tokenizer = load_tokenizer(cfg.model_name_or_path)
+    raw = load_raw(cfg)
+    accelerator = make_accelerator(cfg)
+    main = accelerator.is_main_process
+    if not accelerator.is_local_main_process:
+        datasets.utils.logging.set_verbosity_error()
+        transformers.utils.logging.set_verbosity_error()
+    set_seed(cfg.seed)
+    with accelerator.main_process_first():
+        data = tokenize(raw, tokenizer, cfg)
+    model = load_model(cfg.model_name_or_path)
+    if model.config.max_position_embeddings < cfg.max_source_length:
+        raise TrainingError(f"--max_source_length {cfg.max_source_length} exceeds the model's "
+                            f"{model.config.max_position_embeddings} positions")
+
+    pad_multiple = 8 if accelerator.mixed_precision != "no" else None
+    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
+    # The loader's own generator: creating its iterator must not draw from the global RNG, or a
+    # resumed run (which creates it after restoring RNG states) would see different dropout.
+    train_dl = DataLoader(data["train"], shuffle=True, collate_fn=collator, batch_size=cfg.per_device_train_batch_size,
+                          generator=torch.Generator().manual_seed(cfg.seed))
+    eval_dl = DataLoader(data["validation"], collate_fn=collator, batch_size=cfg.per_device_eval_batch_size)
+
+    # Steps per epoch as the prepared (sharded) loader will have them.
+    batches = math.ceil(math.ceil(len(train_dl.dataset) / cfg.per_device_train_batch_size) / accelerator.num_processes)
+    steps_per_epoch = math.ceil(batches / cfg.gradient_accumulation_steps)
+    total_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    optimizer, scheduler = make_optimizer(accelerator, model, cfg, total_steps)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    ds = accelerator.state.deepspeed_plugin
+    zero_stage = ds.deepspeed_config["zero_optimization"]["stage"] if ds else None
+
+    completed, first_epoch, skip_batches = 0, 0, 0
+    if cfg.resume_from_checkpoint:
+        path = ckpt.find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+        accelerator.load_state(str(path))
+        completed = json.loads((path / ckpt.STATE_FILE).read_text())["completed_steps"]
+        first_epoch, done_in_epoch = divmod(completed, steps_per_epoch)
+        skip_batches = done_in_epoch * cfg.gradient_accumulation_steps
+        log.info(f"resuming from {path} at step {completed}")
+
+    metrics = ckpt.MetricsWriter(cfg.output_dir, enabled=main)
+    if cfg.with_tracking:
+        accelerator.init_trackers(cfg.report_name, config={k: v for k, v in cfg.to_dict().items() if v is not None})
+    global_batch = cfg.per_device_train_batch_size * accelerator.num_processes * cfg.gradient_accumulation_steps
+    metrics.write("start", total_steps=total_steps, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                  resumed_at=completed, num_processes=accelerator.num_processes, distributed=accelerator.distributed_type.value,
+                  zero_stage=zero_stage, mixed_precision=accelerator.mixed_precision, global_batch_size=global_batch,
+                  train_samples=len(data["train"]), eval_samples=len(data["validation"]))
+    log.info(f"{len(data['train'])} train / {len(data['validation'])} eval rows, {accelerator.num_processes} processes, "
+             f"{accelerator.distributed_type} (ZeRO stage {zero_stage}), {total_steps} steps, global batch {global_batch}")
+
+    stop = StopRequest(cfg.output_dir)
+    patience = NONFINITE_PATIENCE.get(accelerator.mixed_precision, 1)
+    progress = tqdm(total=total_steps, initial=completed, desc="training", disable=not accelerator.is_local_main_process)
+    state = dict(completed_steps=completed, epoch=first_epoch)
+    results, epoch_times, eval_times = {}, [], []
+    window_loss, window_n, window_start, window_samples, nonfinite = 0.0, 0, time.perf_counter(), 0, 0
+    stopped = False
+
+    def checkpoint():
+        path = ckpt.save_checkpoint(accelerator, cfg.output_dir, state, cfg.checkpoints_total_limit)
+        metrics.write("checkpoint", step=completed, path=str(path))
+
+    model.train()
+    for epoch in range(first_epoch, epochs):
+        state["epoch"] = epoch
+        train_dl.set_epoch(epoch)
+        active = accelerator.skip_first_batches(train_dl, skip_batches) if skip_batches else train_dl
+        skip_batches = 0
+        epoch_start = time.perf_counter()
+        for batch in active:
+            with accelerator.accumulate(model):
+                try:
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                except torch.cuda.OutOfMemoryError:
+                    metrics.write("error", step=completed, message="CUDA out of memory")
+                    raise TrainingError(
+                        f"CUDA out of memory at --per_device_train_batch_size {cfg.per_device_train_batch_size} "
+                        f"(source {cfg.max_source_length} / target {cfg.max_target_length} tokens). Try a smaller batch "
+                        "with --gradient_accumulation_steps to keep the effective batch, fp16/bf16, or ZeRO-3 + offload "
+                        "(configs/accelerate/zero3_offload.yaml)."
+                    ) from None
+            window_samples += batch["input_ids"].shape[0] * accelerator.num_processes
+            value = loss.detach().float()
+            finite = bool(torch.isfinite(value))
+            if finite:
+                window_loss += value.item()
+                window_n += 1
+            if not accelerator.sync_gradients:
+                continue
+            completed += 1
+            state["completed_steps"] = completed
+            progress.update(1)
+            nonfinite = 0 if finite else nonfinite + 1
+            # One small collective per step keeps every rank's decisions identical.
+            flags = accelerator.reduce(torch.tensor([float(stop()), float(nonfinite)], device=accelerator.device), "max")
+            if flags[1] >= patience:
+                metrics.write("error", step=completed, message="non-finite loss")
+                raise TrainingError(
+                    f"the loss was not finite for {int(flags[1])} step(s) at step {completed}: lower --learning_rate, "
+                    "add --num_warmup_steps, or use bf16 instead of fp16. Last good checkpoint: "
+                    f"{(ckpt.list_checkpoints(cfg.output_dir) or ['none'])[-1]}"
+                )
+            if completed % cfg.logging_steps == 0 or completed == total_steps:
+                stats = torch.tensor([window_loss, window_n], device=accelerator.device)
+                stats = accelerator.reduce(stats, "sum")
+                elapsed = time.perf_counter() - window_start
+                entry = dict(step=completed, epoch=round(epoch + (completed - epoch * steps_per_epoch) / steps_per_epoch, 4),
+                             loss=(stats[0] / max(stats[1], 1)).item(), lr=scheduler.get_last_lr()[0],
+                             samples_per_second=window_samples / elapsed)
+                metrics.write("log", **entry)
+                progress.set_postfix(loss=f"{entry['loss']:.4f}")
+                if cfg.with_tracking:
+                    accelerator.log({"train_loss": entry["loss"], "lr": entry["lr"],
+                                     "samples_per_second": entry["samples_per_second"]}, step=completed)
+                window_loss, window_n, window_start, window_samples = 0.0, 0, time.perf_counter(), 0
+            if flags[0] > 0:
+                checkpoint()
+                metrics.write("stopped", step=completed)
+                log.info(f"stop requested: saved a checkpoint at step {completed}; resume with --resume_from_checkpoint latest")
+                stopped = True
+                break
+            if cfg.checkpointing_steps and completed % cfg.checkpointing_steps == 0:
+                checkpoint()
+            if completed >= total_steps:
+                break
+        if stopped:
+            break
+        epoch_times.append(time.perf_counter() - epoch_start)
+        results = evaluate(accelerator, model, eval_dl, tokenizer, cfg, zero3=zero_stage == 3)
+        eval_times.append(results["eval_seconds"])
+        for sample in results["samples"][:5]:  # all of them go to metrics.jsonl
+            log.info(f"prompt: {sample['prompt']!r} | prediction: {sample['prediction']!r} | reference: {sample['reference']!r}")
+        metrics.write("eval", step=completed, epoch=epoch, eval_bleu=results["eval_bleu"], eval_loss=results["eval_loss"],
+                      train_epoch_seconds=epoch_times[-1], eval_epoch_seconds=results["eval_seconds"],
+                      samples=results["samples"][:20])
+        log.info(f"epoch {epoch}: BLEU {results['eval_bleu']:.2f}, eval loss {results['eval_loss']:.4f}, "
+                 f"train {epoch_times[-1]:.1f}s, eval {results['eval_seconds']:.1f}s")
+        if cfg.with_tracking:
+            accelerator.log({"eval_bleu": results["eval_bleu"], "eval_loss": results["eval_loss"],
+                             "train_epoch_seconds": epoch_times[-1], "eval_epoch_seconds": results["eval_seconds"]}, step=completed)
+        if completed < total_steps:  # the last epoch's state is the final model below
+            checkpoint()
+    progress.close()
+    if stopped:
+        accelerator.end_training()
+        return {"stopped_at": completed}
+
+    summary = dict(eval_bleu=results["eval_bleu"], eval_loss=results["eval_loss"], eval_samples=results["eval_samples"],
+                   train_samples=len(data["train"]), total_steps=completed, train_epoch_seconds=epoch_times,
+                   eval_epoch_seconds=eval_times, num_processes=accelerator.num_processes, zero_stage=zero_stage)
+    final = save_final(accelerator, model, tokenizer, cfg, summary)
+    if main:
+        (Path(cfg.output_dir) / ckpt.RESULTS_FILE).write_text(json.dumps(summary, indent=2))
+        metrics.write("done", step=completed, final=str(final), eval_bleu=summary["eval_bleu"])
+        log.info(f"final model in {final} (BLEU {summary['eval_bleu']:.2f})")
+    accelerator.end_training()
+    if cfg.push_to_hub and main:
+        try:
+            url = push(final, cfg.hub_model_id, private=cfg.hub_private)
+        except HubError as err:
+            metrics.write("error", message=str(err))
+            raise
+        metrics.write("pushed", repo=cfg.hub_model_id, url=url)
+        log.info(f"pushed to {url}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    is_main = os.environ.get("RANK", "0") == "0"
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO if is_main else logging.ERROR, stream=sys.stderr)
+    cfg = parse_args(argv)
+    try:
+        train(cfg)
+    except (DataError, ModelLoadError, TrainingError, HubError, FileNotFoundError) as err:
+        if is_main:
+            logging.getLogger("finetune").error("%s", err)
+        return 1
+    return 0
