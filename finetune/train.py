@@ -27,14 +27,14 @@ from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import DataCollatorForSeq2Seq, get_scheduler
+from transformers import AutoConfig, DataCollatorForSeq2Seq, get_scheduler
 
 from finetune import checkpoint as ckpt
 from finetune.config import TrainConfig, parse_args
 from finetune.data import DataError, load_raw, tokenize
 from finetune.evaluate import evaluate, generation_kwargs
 from finetune.hub import HubError, push, write_model_card
-from finetune.model import ModelLoadError, load_model, load_tokenizer
+from finetune.model import ModelLoadError, load_model, load_tokenizer, resolve
 
 log = get_logger(__name__)
 
@@ -155,12 +155,13 @@ def train(cfg: TrainConfig) -> dict:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
     set_seed(cfg.seed)
+    positions = AutoConfig.from_pretrained(resolve(cfg.model_name_or_path)).max_position_embeddings
+    if positions < max(cfg.max_source_length, cfg.max_target_length):
+        raise TrainingError(f"--max_source_length/--max_target_length exceed the model's {positions} positions")
     with accelerator.main_process_first():
         data = tokenize(raw, tokenizer, cfg)
+    # After the accelerator exists, so ZeRO-3 can partition the weights as they load.
     model = load_model(cfg.model_name_or_path)
-    if model.config.max_position_embeddings < cfg.max_source_length:
-        raise TrainingError(f"--max_source_length {cfg.max_source_length} exceeds the model's "
-                            f"{model.config.max_position_embeddings} positions")
 
     pad_multiple = 8 if accelerator.mixed_precision != "no" else None
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
@@ -263,6 +264,8 @@ def train(cfg: TrainConfig) -> dict:
                 entry = dict(step=completed, epoch=round(epoch + (completed - epoch * steps_per_epoch) / steps_per_epoch, 4),
                              loss=(stats[0] / max(stats[1], 1)).item(), lr=scheduler.get_last_lr()[0],
                              samples_per_second=window_samples / elapsed)
+                if torch.cuda.is_available():
+                    entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 metrics.write("log", **entry)
                 progress.set_postfix(loss=f"{entry['loss']:.4f}")
                 if cfg.with_tracking:

@@ -134,7 +134,7 @@ _PIECES = st.sampled_from(["<", ">", "/", "s", "S", " ", "\n", "\t", "pad", "UNK
 USER_TEXT = st.one_of(st.text(max_size=40), st.lists(_PIECES, max_size=20).map("".join))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(kind=st.sampled_from(KINDS), context=USER_TEXT, turns=st.lists(USER_TEXT, min_size=1, max_size=5))
 def test_marker_count_depends_only_on_structure(kind, context, turns, tiny_tokenizer):
     assume(all(neutralize(t) for t in turns))

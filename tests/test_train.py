@@ -143,12 +143,22 @@ def test_two_loopback_machines_train_together(tiny_path, tmp_path):
 def test_push_failure_is_clear_and_token_never_leaks(tiny_path, tmp_path):
     token = "hf_NotARealTokenButSecret1234567890"
     out = tmp_path / "push"
-    proc = launch(["--output_dir", str(out), "--max_train_steps", "2", "--push_to_hub", "--hub_model_id", "someone/chat"],
-                  env={"HF_TOKEN": token})
+    proc = launch(["--output_dir", str(out), "--max_train_steps", "2", "--push_to_hub", "--hub_model_id", "someone/chat",
+                   "--with_tracking", "--report_to", "tensorboard"], env={"HF_TOKEN": token})
     assert proc.returncode == 1
     assert "could not push" in proc.stderr and "intact" in proc.stderr
     assert (out / "final" / "model.safetensors").is_file()  # the local checkpoint survives
     assert token not in proc.stdout + proc.stderr
+    assert list(out.rglob("events.out.tfevents.*")), "the tensorboard tracker wrote nothing"
     for file in out.rglob("*"):
         if file.is_file():
             assert token.encode() not in file.read_bytes(), file
+
+
+def test_non_finite_loss_stops_the_run(tiny_path, tmp_path):
+    out = tmp_path / "diverge"
+    proc = launch(["--output_dir", str(out), "--max_train_steps", "20", "--learning_rate", "1e30"])
+    assert proc.returncode == 1
+    assert "loss was not finite" in proc.stderr
+    assert events(out)[-1]["event"] == "error"
+    assert not (out / "final").exists()
