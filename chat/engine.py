@@ -1,0 +1,310 @@
+"""The chat engine: load a checkpoint, build input in its training format, generate replies.
+
+One ``ChatEngine`` serves every session. It holds the current ``LoadedModel``; each request
+takes a reference to it when it starts, so swapping in a new checkpoint never disturbs a reply
+in flight. Conversations are plain values passed in by the caller (the UI keeps one per browser
+session), so sessions cannot see each other's history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from transformers import AutoConfig, GenerationConfig, TextIteratorStreamer
+
+from chat.prompt import KINDS, fit_source, format_context, join_source, neutralize
+from finetune.checkpoint import FINAL, TRAINING_ARGS_FILE
+from finetune.model import ModelLoadError, load_model, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo_model"
+DEFAULT_MODEL = "facebook/blenderbot-400M-distill"
+# The seed fine-tuned with the prefix "chatbot: " and Chat-E spoke to its model with it. A
+# checkpoint without training_args.json (the base model) gets this one; set CHAT_SOURCE_PREFIX
+# to change it (e.g. to "" for the untouched base model).
+BASE_PREFIX = "chatbot: "
+MAX_MESSAGE_CHARS = 1000  # server-side limits on user text
+MAX_CONTEXT_CHARS = 600
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot serve (missing files, non-finite weights, wrong architecture)."""
+
+
+class InputError(ValueError):
+    """User input the engine refuses; the message is meant for the user."""
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Every knob of a reply. Presets are instances; the UI overrides single fields."""
+
+    num_beams: int = 1
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_new_tokens: int = 40
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 3
+    encoder_no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.2
+    length_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not 1 <= self.num_beams <= 16:
+            raise InputError("beams must be between 1 and 16")
+        if not 1 <= self.max_new_tokens <= 128:
+            raise InputError("max new tokens must be between 1 and 128")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise InputError("min new tokens must be between 0 and max new tokens")
+        if not 0.05 <= self.temperature <= 2.0 or not 0.05 <= self.top_p <= 1.0:
+            raise InputError("temperature must be in [0.05, 2] and top-p in [0.05, 1]")
+
+    @property
+    def streams(self) -> bool:
+        """Beam search only knows its answer at the end; greedy and sampling can stream."""
+        return self.num_beams == 1
+
+    def generate_kwargs(self) -> dict:
+        kwargs = dict(
+            num_beams=self.num_beams, do_sample=self.do_sample, max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens, no_repeat_ngram_size=self.no_repeat_ngram_size,
+            encoder_no_repeat_ngram_size=self.encoder_no_repeat_ngram_size,
+            repetition_penalty=self.repetition_penalty, length_penalty=self.length_penalty,
+        )
+        if self.do_sample:
+            kwargs.update(temperature=self.temperature, top_p=self.top_p)
+        return kwargs
+
+
+PRESETS = {
+    # The seed's evaluation / Chat-E settings: beam 10, min length 20, n-gram blocking.
+    "faithful": GenerationSettings(num_beams=10, min_new_tokens=20, max_new_tokens=60, no_repeat_ngram_size=3,
+                                   encoder_no_repeat_ngram_size=3, repetition_penalty=1.2),
+    # Greedy with n-gram blocking: streams token by token, a fraction of beam-10's cost.
+    "fast": GenerationSettings(num_beams=1, max_new_tokens=40, no_repeat_ngram_size=3, repetition_penalty=1.2),
+}
+
+
+@dataclass
+class Conversation:
+    """One chat: who the bot is (kind + context) and the turns so far, oldest first."""
+
+    kind: str = "none"
+    context: str = ""
+    turns: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How the encoder's positions are used by the last built input (for the UI's meter)."""
+
+    context_tokens: int
+    history_tokens: int
+    total_tokens: int
+    max_tokens: int
+    dropped_turns: int
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    prefix: str
+    max_source_length: int
+    trained_args: dict | None
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer(text).input_ids)
+
+
+def _resolve_dir(spec: str) -> Path | None:
+    """A local model directory for ``spec``: itself, its final/, or the newest RUN/final/."""
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        return None
+    if (path / "config.json").is_file():
+        return path
+    if (path / FINAL / "config.json").is_file():
+        return path / FINAL
+    finals = sorted(path.glob(f"*/{FINAL}/config.json"), key=lambda p: p.stat().st_mtime)
+    if finals:
+        return finals[-1].parent
+    raise CheckpointError(f"{spec}: no model here (expected config.json, {FINAL}/, or RUN/{FINAL}/)")
+
+
+def load_checkpoint(spec: str) -> LoadedModel:
+    """Load and check a model from a Hub id, a checkpoint folder, or a training output folder."""
+    local = _resolve_dir(spec)
+    source = str(local) if local else spec
+    if local:
+        missing = [f for f in ("config.json", "model.safetensors") if not (local / f).is_file()]
+        if not (local / "tokenizer.json").is_file() and not (local / "vocab.json").is_file():
+            missing.append("tokenizer.json")
+        if missing and not (local / "model.safetensors.index.json").is_file():
+            raise CheckpointError(f"{local}: missing {', '.join(missing)}")
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load {spec!r}: {str(err).splitlines()[0] if str(err) else err}") from None
+    if config.model_type != "blenderbot" or not config.is_encoder_decoder:
+        raise CheckpointError(f"{spec}: a {config.model_type!r} model, not a seq2seq BlenderBot")
+    model = load_model(source)
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise CheckpointError(f"{spec}: non-finite weights in {', '.join(bad[:3])}")
+    model.eval()
+    tokenizer = load_tokenizer(source)
+    args_file = local / TRAINING_ARGS_FILE if local else None
+    trained = json.loads(args_file.read_text()) if args_file and args_file.is_file() else None
+    prefix = trained["source_prefix"] if trained else os.environ.get("CHAT_SOURCE_PREFIX", BASE_PREFIX)
+    max_len = min(trained["max_source_length"] if trained else 128, config.max_position_embeddings)
+    return LoadedModel(spec, model, tokenizer, prefix, max_len, trained)
+
+
+def clean_text(text: str | None, limit: int, what: str) -> str:
+    """Strip control characters and outer space; refuse over-long text with a clear message."""
+    text = _CONTROL.sub(" ", text or "").strip()
+    if len(text) > limit:
+        raise InputError(f"The {what} is too long ({len(text)} characters; the limit is {limit}).")
+    return text
+
+
+class ChatEngine:
+    def __init__(self, loaded: LoadedModel, status: str):
+        self._current = loaded
+        self.status = status
+        self._swap = threading.Lock()
+
+    @classmethod
+    def start(cls, spec: str | None = None) -> "ChatEngine":
+        """Serve ``spec`` (default: CHAT_MODEL or the 400M base model); offline, the demo model."""
+        spec = spec or os.environ.get("CHAT_MODEL", DEFAULT_MODEL)
+        try:
+            return cls(load_checkpoint(spec), f"serving {spec}")
+        except ModelLoadError as err:
+            log.warning("%s; falling back to the demo model", err)
+            return cls(load_checkpoint(str(DEMO_DIR)),
+                       f"offline: using the demo model (a tiny BlenderBot trained on the sample data) instead of {spec}")
+
+    @property
+    def current(self) -> LoadedModel:
+        return self._current
+
+    def swap(self, spec: str) -> str:
+        """Load ``spec`` and serve it from now on; on any failure the current model keeps serving."""
+        loaded = load_checkpoint(spec)  # raises before anything changes
+        with self._swap:
+            self._current = loaded
+            self.status = f"serving {spec}"
+        return self.status
+
+    # --- input
+    def build_input(self, conv: Conversation, loaded: LoadedModel | None = None) -> tuple[dict, Budget]:
+        loaded = loaded or self._current
+        if conv.kind not in KINDS:
+            raise InputError(f"Unknown kind {conv.kind!r}; choose one of {', '.join(KINDS)}.")
+        context = clean_text(conv.context, MAX_CONTEXT_CHARS, "context")
+        try:
+            context_text = format_context(conv.kind, context)
+        except ValueError:
+            raise InputError(f"The {conv.kind} needs a context (e.g. a persona sentence).") from None
+        turns = [t for t in (neutralize(clean_text(t, MAX_MESSAGE_CHARS, "message")) for t in conv.turns) if t]
+        if not turns:
+            raise InputError("Type a message first.")
+
+        def count(source: str) -> int:
+            return loaded.count(loaded.prefix + source)
+
+        source, dropped = fit_source(context_text, turns, count, loaded.max_source_length)
+        encoded = loaded.tokenizer(loaded.prefix + source, truncation=True, max_length=loaded.max_source_length,
+                                   return_tensors="pt")
+        total = encoded.input_ids.shape[1]
+        context_tokens = min(total, loaded.count(loaded.prefix + context_text) if context_text else loaded.count(loaded.prefix))
+        return encoded, Budget(context_tokens, total - context_tokens, total, loaded.max_source_length, dropped)
+
+    # --- output
+    @staticmethod
+    def _clean_reply(text: str) -> str:
+        return re.sub(r"\s+", " ", text).strip()
+
+    def _prepare(self, conv: Conversation, message: str, settings: GenerationSettings):
+        message = clean_text(message, MAX_MESSAGE_CHARS, "message")
+        if not neutralize(message):
+            raise InputError("Type a message first.")
+        loaded = self._current  # this reply finishes on this model, whatever is swapped in meanwhile
+        asked = replace(conv, turns=[*conv.turns, message])
+        encoded, budget = self.build_input(asked, loaded)
+        kwargs = settings.generate_kwargs()
+        if settings.seed is not None:
+            kwargs["generator_seed"] = settings.seed
+        return loaded, encoded, budget, kwargs
+
+    @staticmethod
+    def _generate(loaded: LoadedModel, encoded, kwargs: dict, streamer=None):
+        kwargs = dict(kwargs)
+        seed = kwargs.pop("generator_seed", None)
+        if seed is not None:
+            torch.manual_seed(seed)
+        # Our settings replace the checkpoint's (its saved eval lengths would clash with them).
+        base = loaded.model.generation_config
+        config = GenerationConfig(decoder_start_token_id=base.decoder_start_token_id, bos_token_id=base.bos_token_id,
+                                  eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
+                                  forced_eos_token_id=base.forced_eos_token_id, **kwargs)
+        with torch.inference_mode():
+            return loaded.model.generate(**encoded, generation_config=config, streamer=streamer)
+
+    def reply(self, conv: Conversation, message: str, settings: GenerationSettings = PRESETS["fast"]) -> tuple[str, Budget]:
+        """The bot's answer to ``message`` given ``conv``; ``conv`` is not modified."""
+        loaded, encoded, budget, kwargs = self._prepare(conv, message, settings)
+        out = self._generate(loaded, encoded, kwargs)
+        return self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget
+
+    def stream(self, conv: Conversation, message: str,
+               settings: GenerationSettings = PRESETS["fast"]) -> Iterator[tuple[str, Budget]]:
+        """Yield the reply so far as it is generated (once, at the end, for beam search)."""
+        loaded, encoded, budget, kwargs = self._prepare(conv, message, settings)
+        if not settings.streams:
+            out = self._generate(loaded, encoded, kwargs)
+            yield self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget
+            return
+        streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=120)
+        errors: list[BaseException] = []
+
+        def run():
+            try:
+                self._generate(loaded, encoded, kwargs, streamer)
+            except BaseException as err:  # surfaced in the caller's thread below
+                errors.append(err)
+                streamer.end()
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        text = ""
+        for piece in streamer:
+            text += piece
+            if text.strip():
+                yield self._clean_reply(text), budget
+        worker.join()
+        if errors:
+            raise errors[0]
+        if not text.strip():
+            yield "", budget
+
+    def respond(self, conv: Conversation, message: str, settings: GenerationSettings = PRESETS["fast"]) -> str:
+        """Library convenience: reply and append the exchange to ``conv``."""
+        text, _ = self.reply(conv, message, settings)
+        conv.turns += [clean_text(message, MAX_MESSAGE_CHARS, "message"), text]
+        return text
