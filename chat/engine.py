@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 from transformers import AutoConfig, GenerationConfig, TextIteratorStreamer
 
+from chat.batching import Batcher
 from chat.prompt import KINDS, fit_source, format_context, join_source, neutralize
 from finetune.checkpoint import FINAL, TRAINING_ARGS_FILE
 from finetune.model import ModelLoadError, load_model, load_tokenizer
@@ -166,6 +167,13 @@ def load_checkpoint(spec: str) -> LoadedModel:
     if bad:
         raise CheckpointError(f"{spec}: non-finite weights in {', '.join(bad[:3])}")
     model.eval()
+    # Keep only the token ids of the saved generation config: a training run saves its evaluation
+    # lengths there, which would clash with the chat's own settings (GenerationSettings).
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=saved.decoder_start_token_id, bos_token_id=saved.bos_token_id,
+        eos_token_id=saved.eos_token_id, pad_token_id=saved.pad_token_id, forced_eos_token_id=saved.forced_eos_token_id,
+    )
     tokenizer = load_tokenizer(source)
     args_file = local / TRAINING_ARGS_FILE if local else None
     trained = json.loads(args_file.read_text()) if args_file and args_file.is_file() else None
@@ -183,10 +191,13 @@ def clean_text(text: str | None, limit: int, what: str) -> str:
 
 
 class ChatEngine:
-    def __init__(self, loaded: LoadedModel, status: str):
+    def __init__(self, loaded: LoadedModel, status: str, batcher: Batcher | None = None):
         self._current = loaded
         self.status = status
         self._swap = threading.Lock()
+        # Every generate() goes through the batcher's worker thread, which also serialises
+        # CPU work so concurrent sessions don't fight over the cores.
+        self._batcher = batcher or Batcher()
 
     @classmethod
     def start(cls, spec: str | None = None) -> "ChatEngine":
@@ -249,22 +260,11 @@ class ChatEngine:
         encoded, budget = self.build_input(asked, loaded)
         kwargs = settings.generate_kwargs()
         if settings.seed is not None:
-            kwargs["generator_seed"] = settings.seed
+            kwargs["generator_seed"] = settings.seed  # the batcher seeds torch and runs it alone
         return loaded, encoded, budget, kwargs
 
-    @staticmethod
-    def _generate(loaded: LoadedModel, encoded, kwargs: dict, streamer=None):
-        kwargs = dict(kwargs)
-        seed = kwargs.pop("generator_seed", None)
-        if seed is not None:
-            torch.manual_seed(seed)
-        # Our settings replace the checkpoint's (its saved eval lengths would clash with them).
-        base = loaded.model.generation_config
-        config = GenerationConfig(decoder_start_token_id=base.decoder_start_token_id, bos_token_id=base.bos_token_id,
-                                  eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
-                                  forced_eos_token_id=base.forced_eos_token_id, **kwargs)
-        with torch.inference_mode():
-            return loaded.model.generate(**encoded, generation_config=config, streamer=streamer)
+    def _generate(self, loaded: LoadedModel, encoded, kwargs: dict, streamer=None) -> torch.Tensor:
+        return self._batcher.submit(loaded, encoded, kwargs, streamer).result()
 
     def reply(self, conv: Conversation, message: str, settings: GenerationSettings = PRESETS["fast"]) -> tuple[str, Budget]:
         """The bot's answer to ``message`` given ``conv``; ``conv`` is not modified."""
@@ -280,26 +280,14 @@ class ChatEngine:
             out = self._generate(loaded, encoded, kwargs)
             yield self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget
             return
-        streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=120)
-        errors: list[BaseException] = []
-
-        def run():
-            try:
-                self._generate(loaded, encoded, kwargs, streamer)
-            except BaseException as err:  # surfaced in the caller's thread below
-                errors.append(err)
-                streamer.end()
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
+        streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=300)
+        future = self._batcher.submit(loaded, encoded, kwargs, streamer)
         text = ""
         for piece in streamer:
             text += piece
             if text.strip():
                 yield self._clean_reply(text), budget
-        worker.join()
-        if errors:
-            raise errors[0]
+        future.result()  # re-raises a generation error in the caller's thread
         if not text.strip():
             yield "", budget
 
