@@ -53,12 +53,9 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     if launched_deepspeed and not torch.cuda.is_available():
         # DeepSpeed on CPU: without an explicit gloo backend accelerate counts one process.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    trackers = None
-    if cfg.with_tracking:
-        trackers = ["tensorboard", "wandb", "trackio"] if cfg.report_to == "all" else [cfg.report_to]
     return Accelerator(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        log_with=trackers,
+        log_with=cfg.report_to if cfg.with_tracking else None,  # "all" = every installed tracker
         project_dir=cfg.output_dir,
         kwargs_handlers=handlers,
         # A seeded sampler makes the data order reproducible, so a resumed run sees what an
