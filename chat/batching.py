@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from chat.optimize import optimization_of
+
 
 @dataclass
 class Request:
@@ -31,7 +33,9 @@ class Request:
     def key(self):
         # Only identical settings on the same model object can share a generate() call; a seeded
         # request runs alone so its sampling stays reproducible.
-        if self.kwargs.get("generator_seed") is not None:
+        # Dynamic int8 quantization scales activations over the whole batch, so a row's reply
+        # would depend on its neighbours: such models serve one request at a time.
+        if self.kwargs.get("generator_seed") is not None or optimization_of(self.loaded.model) == "int8":
             return ("alone", id(self))
         return id(self.loaded), tuple(sorted(self.kwargs.items()))
 

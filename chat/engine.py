@@ -21,9 +21,10 @@ import torch
 from transformers import AutoConfig, GenerationConfig, TextIteratorStreamer
 
 from chat.batching import Batcher
+from chat.optimize import CPU_DEFAULT, OPTIMIZE_MODES, optimize_for_cpu
 from chat.prompt import KINDS, fit_source, format_context, join_source, neutralize
 from finetune.checkpoint import FINAL, TRAINING_ARGS_FILE
-from finetune.model import ModelLoadError, load_model, load_tokenizer
+from finetune.model import ModelLoadError, load_model, load_tokenizer, resolve
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ class GenerationSettings:
             raise InputError("min new tokens must be between 0 and max new tokens")
         if not 0.05 <= self.temperature <= 2.0 or not 0.05 <= self.top_p <= 1.0:
             raise InputError("temperature must be in [0.05, 2] and top-p in [0.05, 1]")
+        if not 1.0 <= self.repetition_penalty <= 3.0 or not 0.1 <= self.length_penalty <= 3.0:
+            raise InputError("repetition penalty must be in [1, 3] and length penalty in [0.1, 3]")
+        if not 0 <= self.no_repeat_ngram_size <= 10 or not 0 <= self.encoder_no_repeat_ngram_size <= 10:
+            raise InputError("n-gram blocking sizes must be between 0 (off) and 10")
 
     @property
     def streams(self) -> bool:
@@ -146,9 +151,25 @@ def _resolve_dir(spec: str) -> Path | None:
     raise CheckpointError(f"{spec}: no model here (expected config.json, {FINAL}/, or RUN/{FINAL}/)")
 
 
-def load_checkpoint(spec: str) -> LoadedModel:
+def place(model: torch.nn.Module, optimize: str | None) -> torch.nn.Module:
+    """Put a loaded model where and how it serves fastest (see docs/chat-benchmarks.md).
+
+    ``optimize``: "none" (fp32 as trained), "bf16", "int8" (CPU: dynamic int8 linear layers),
+    or "auto"/None: CHAT_OPTIMIZE if set, else bf16 on a GPU and the CPU default below.
+    """
+    mode = optimize or "auto"
+    if mode == "auto":
+        mode = os.environ.get("CHAT_OPTIMIZE", "bf16" if torch.cuda.is_available() else CPU_DEFAULT)
+    if mode not in OPTIMIZE_MODES:
+        raise ValueError(f"optimize must be one of {', '.join(OPTIMIZE_MODES)}, got {mode!r}")
+    if torch.cuda.is_available():
+        return model.to("cuda", dtype=torch.bfloat16 if mode in ("bf16", "int8") else torch.float32)
+    return optimize_for_cpu(model, mode)
+
+
+def load_checkpoint(spec: str, optimize: str | None = None) -> LoadedModel:
     """Load and check a model from a Hub id, a checkpoint folder, or a training output folder."""
-    local = _resolve_dir(spec)
+    local = _resolve_dir(resolve(spec))  # presets ("tiny", "random-400M") become directories
     source = str(local) if local else spec
     if local:
         missing = [f for f in ("config.json", "model.safetensors") if not (local / f).is_file()]
@@ -159,10 +180,22 @@ def load_checkpoint(spec: str) -> LoadedModel:
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
+        if local:
+            raise CheckpointError(f"{spec}: unreadable config.json ({str(err).splitlines()[0] if str(err) else err})") from None
         raise ModelLoadError(f"cannot load {spec!r}: {str(err).splitlines()[0] if str(err) else err}") from None
     if config.model_type != "blenderbot" or not config.is_encoder_decoder:
         raise CheckpointError(f"{spec}: a {config.model_type!r} model, not a seq2seq BlenderBot")
-    model = load_model(source)
+    try:
+        model, info = load_model(source, output_loading_info=True)
+    except ModelLoadError:
+        if local:
+            raise CheckpointError(f"{spec}: the weights do not load") from None
+        raise
+    except Exception as err:  # truncated file, shapes that don't match the config, ...
+        raise CheckpointError(f"{spec}: the weights do not load ({type(err).__name__}: {str(err)[:200]})") from None
+    broken = sorted(map(str, [*info["missing_keys"], *info["mismatched_keys"]]))
+    if broken:  # transformers would initialise these at random: a broken model serving noise
+        raise CheckpointError(f"{spec}: weights missing or mismatched: {', '.join(broken[:3])}")
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise CheckpointError(f"{spec}: non-finite weights in {', '.join(bad[:3])}")
@@ -174,6 +207,7 @@ def load_checkpoint(spec: str) -> LoadedModel:
         decoder_start_token_id=saved.decoder_start_token_id, bos_token_id=saved.bos_token_id,
         eos_token_id=saved.eos_token_id, pad_token_id=saved.pad_token_id, forced_eos_token_id=saved.forced_eos_token_id,
     )
+    model = place(model, optimize)
     tokenizer = load_tokenizer(source)
     args_file = local / TRAINING_ARGS_FILE if local else None
     trained = json.loads(args_file.read_text()) if args_file and args_file.is_file() else None
@@ -222,6 +256,17 @@ class ChatEngine:
             self.status = f"serving {spec}"
         return self.status
 
+    def warm_up(self, settings: GenerationSettings = PRESETS["fast"]) -> None:
+        """Run one single and one full batch so compiled/static-cache paths (GPU) are ready."""
+        conv = Conversation("none", "", [])
+        self.reply(conv, "hello", settings)
+        batch = self._batcher.max_batch
+        threads = [threading.Thread(target=self.reply, args=(conv, f"hello {i}", settings)) for i in range(batch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
     # --- input
     def build_input(self, conv: Conversation, loaded: LoadedModel | None = None) -> tuple[dict, Budget]:
         loaded = loaded or self._current
@@ -239,11 +284,21 @@ class ChatEngine:
         def count(source: str) -> int:
             return loaded.count(loaded.prefix + source)
 
+        # The context must leave room for the conversation, or the newest message would not fit.
+        context_tokens = count(context_text) if context_text else loaded.count(loaded.prefix)
+        if context_tokens > loaded.max_source_length // 2:
+            raise InputError(f"The context is too long: it takes {context_tokens} of the model's "
+                             f"{loaded.max_source_length} tokens; keep it under {loaded.max_source_length // 2}.")
         source, dropped = fit_source(context_text, turns, count, loaded.max_source_length)
-        encoded = loaded.tokenizer(loaded.prefix + source, truncation=True, max_length=loaded.max_source_length,
-                                   return_tensors="pt")
-        total = encoded.input_ids.shape[1]
-        context_tokens = min(total, loaded.count(loaded.prefix + context_text) if context_text else loaded.count(loaded.prefix))
+        # No truncation=True here: it is mutable state of the shared Rust tokenizer, and a
+        # concurrent session's count() would see it. Cut by hand, keeping the final </s>.
+        ids = loaded.tokenizer(loaded.prefix + source).input_ids
+        if len(ids) > loaded.max_source_length:
+            ids = ids[: loaded.max_source_length - 1] + ids[-1:]
+        input_ids = torch.tensor([ids])
+        encoded = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        total = len(ids)
+        context_tokens = min(total, context_tokens)
         return encoded, Budget(context_tokens, total - context_tokens, total, loaded.max_source_length, dropped)
 
     # --- output

@@ -1,0 +1,155 @@
+"""Chat latency / throughput / memory benchmark: ``python -m chat.bench``.
+
+Measures, on the 400M architecture (real weights when the Hub has them, else ``random-400M``),
+for each preset: reply latency p50/p95 over a fixed prompt set from the shipped validation data,
+time to the first streamed text (streaming presets), resident memory, and replies/s for N
+concurrent chats against the same chats served one by one. Every reply is forced to exactly
+``--reply_tokens`` new tokens so latency does not depend on the weights. ``--optimize`` lists
+the variants to compare in one run (the first is the baseline for the speed-up column).
+Results go to stdout as a markdown table and, with ``--out``, to a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import torch
+
+from chat.engine import PRESETS, ChatEngine, Conversation, load_checkpoint
+from chat.prompt import split_source
+from finetune.model import ModelLoadError
+
+SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample" / "validation.jsonl"
+_KIND_OF = {"your persona: ": "persona", "context: ": "emotion", "domain: ": "task", "topic: ": "topic"}
+
+
+def prompt_set(n: int) -> list[tuple[Conversation, str]]:
+    """The first ``n`` multi-turn rows of the shipped validation split, as (conversation, message)."""
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+    rows = [r for r in rows if r["texts"].count("<s>") >= 3][:n]
+    out = []
+    for row in rows:
+        context_text, turns = split_source(row["texts"])
+        kind, context = "none", ""
+        for head, name in _KIND_OF.items():
+            if context_text.startswith(head):
+                kind, context = name, context_text[len(head):].removesuffix(" </s>")
+        out.append((Conversation(kind, context, turns[:-1]), turns[-1]))
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats: int, concurrency: int) -> dict:
+    rss_before = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    engine = ChatEngine(load_checkpoint(spec, optimize=optimize), f"bench {spec}")
+    load_s = time.perf_counter() - start
+    engine.warm_up()  # compiles the GPU static-cache paths once, as the app does at start-up
+    result = dict(optimize=optimize, load_seconds=load_s, device=str(engine.current.model.device))
+    for name, preset in PRESETS.items():
+        settings = replace(preset, min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
+        engine.reply(*prompts[0], settings)  # warm-up
+        latencies, first = [], []
+        for _ in range(repeats):
+            for conv, message in prompts:
+                t0 = time.perf_counter()
+                if settings.streams:
+                    stream = engine.stream(conv, message, settings)
+                    next(stream)
+                    first.append(time.perf_counter() - t0)
+                    for _ in stream:
+                        pass
+                else:
+                    engine.reply(conv, message, settings)
+                latencies.append(time.perf_counter() - t0)
+        result[name] = dict(p50=statistics.median(latencies), p95=pct(latencies, 0.95),
+                            first_text_p50=statistics.median(first) if first else None)
+    # Throughput: the same chats one by one, then all at once (batched by the engine).
+    settings = replace(PRESETS["fast"], min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
+    chats = (prompts * concurrency)[:concurrency]
+    t0 = time.perf_counter()
+    for conv, message in chats:
+        engine.reply(conv, message, settings)
+    sequential = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda c: engine.reply(c[0], c[1], settings), chats))
+    together = time.perf_counter() - t0
+    result["throughput"] = dict(concurrency=concurrency, sequential_replies_per_s=concurrency / sequential,
+                                concurrent_replies_per_s=concurrency / together)
+    result["rss_gib"] = psutil.Process().memory_info().rss / 2**30
+    result["rss_model_gib"] = (psutil.Process().memory_info().rss - rss_before) / 2**30
+    del engine
+    return result
+
+
+def table(results: list[dict]) -> str:
+    base = results[0]
+    lines = ["| variant | fast p50 | fast p95 | first text p50 | faithful p50 | faithful p95 | "
+             f"{results[0]['throughput']['concurrency']} chats: one by one → together (replies/s) | RSS GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        f, b, t = r["fast"], r["faithful"], r["throughput"]
+        speed = base["fast"]["p50"] / f["p50"]
+        lines.append(f"| {r['optimize']} ({r['device']}) | {f['p50']:.3f} s ({speed:.2f}x) | {f['p95']:.3f} s | "
+                     f"{f['first_text_p50']:.3f} s | {b['p50']:.3f} s | {b['p95']:.3f} s | "
+                     f"{t['sequential_replies_per_s']:.2f} → {t['concurrent_replies_per_s']:.2f} | {r['rss_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chat.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="facebook/blenderbot-400M-distill",
+                        help="checkpoint to time; falls back to random-400M when the Hub is unreachable")
+    parser.add_argument("--optimize", default="none,auto", help="comma-separated variants: none, bf16, int8, auto")
+    parser.add_argument("--reply_tokens", type=int, default=24)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    spec = args.model
+    try:
+        load_checkpoint(spec, optimize="none")
+        weights = "real weights"
+    except ModelLoadError:
+        spec, weights = "random-400M", "random-init weights (Hub unreachable)"
+    prompts = prompt_set(args.prompts)
+    results = [bench_variant(spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency)
+               for v in args.optimize.split(",")]
+    hardware = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{cpu_name()}, {torch.get_num_threads()} threads"
+    header = (f"{spec} ({weights}), {args.reply_tokens}-token replies, {len(prompts)} prompts x {args.repeats}, "
+              f"{hardware}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    print(header)
+    print(table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(header=header, results=results), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
