@@ -1,0 +1,417 @@
+"""What the web app's controls do, as plain functions (``app.py`` wires them to gradio).
+
+Everything here can be called and tested without a browser or a server. The chat is stateless
+per request: the UI's history (gradio's messages format) is turned into the engine's
+``Conversation`` on every reply, so sessions can never see each other's turns.
+
+No ``from __future__ import annotations`` here: ``gr.api`` reads the public endpoint's
+signature from real type hints.
+"""
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import gradio as gr
+
+from chat.engine import (
+    DEFAULT_MODEL,
+    DEMO_DIR,
+    PRESETS,
+    Budget,
+    ChatEngine,
+    Conversation,
+    GenerationSettings,
+    InputError,
+)
+from chat.prompt import EMOTIONS, KINDS
+from finetune.checkpoint import FINAL, RESULTS_FILE
+
+log = logging.getLogger(__name__)
+
+# (label shown, value sent): the API and the chat function always get a value of KINDS.
+KIND_CHOICES = [("Persona", "persona"), ("Emotion", "emotion"), ("Task goal", "task"), ("Topic", "topic"),
+                ("None", "none")]
+assert tuple(value for _, value in KIND_CHOICES) == KINDS
+
+PRESET_CHOICES = [("Fast (greedy, streams)", "fast"), ("Faithful (Chat-E: beam 10, min 20 tokens)", "faithful")]
+
+CHAT_E_PERSONA = "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly."
+# What the context box holds when the user picks a kind (Chat-E's own examples where it had one).
+# Chat-E used "happy" for emotion, which is not one of the 32 EmpatheticDialogues labels the
+# model was trained on; "joyful" is the nearest label. "happy" still works (custom value).
+KIND_DEFAULTS = {"persona": CHAT_E_PERSONA, "emotion": "joyful", "task": "vacation ideas", "topic": "jazz",
+                 "none": ""}
+CONTEXT_LABELS = {"persona": ("Persona", "Who the bot is, in a sentence or two."),
+                  "emotion": ("Emotion", "How the bot feels."),
+                  "task": ("Task goal", "What the bot helps with (a domain)."),
+                  "topic": ("Topic", "What the conversation is about."),
+                  "none": ("Context", "No context: the bot chats freely.")}
+
+# Examples for every kind (message, kind, context), Chat-E's three first.
+EXAMPLES = [
+    ["Hi! Who are you?", "persona", CHAT_E_PERSONA],
+    ["I just got some great news!", "emotion", "joyful"],
+    ["Where should I go this summer?", "task", "vacation ideas"],
+    ["Who is your favourite musician?", "topic", "jazz"],
+    ["Hello! What do you like to do for fun?", "none", ""],
+]
+
+SEED_MAX = 2**31 - 1
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+NOTICE_KEY = "persona-chat-notice"
+
+
+def runs_root() -> Path:
+    return Path(os.environ.get("PERSONA_CHAT_RUNS", "runs"))
+
+
+def base_model() -> str:
+    return os.environ.get("CHAT_MODEL") or DEFAULT_MODEL
+
+
+# --------------------------------------------------------------------------- conversation
+
+
+def _text(content) -> str:
+    """The text of one message's content: a string, or gradio's list of parts (files skipped)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return content.get("text", "") if content.get("type", "text") == "text" else ""
+    if isinstance(content, (list, tuple)):
+        return " ".join(t for t in (_text(part) for part in content) if t)
+    return ""
+
+
+def is_notice(message: dict) -> bool:
+    """A note from the app (refused input, empty reply), not something the bot said."""
+    metadata = message.get("metadata") or {}
+    return bool(metadata.get("title")) or metadata.get("id") == NOTICE_KEY
+
+
+def notice(text: str) -> dict:
+    """A bot-side chat message that tells the user something and is never fed to the model."""
+    return {"role": "assistant", "content": "Nothing was sent to the model.",
+            "metadata": {"title": f"⚠️ {text}", "id": NOTICE_KEY, "status": "done"}}
+
+
+def history_to_turns(history) -> list[str]:
+    """gradio's messages (``[{"role", "content"}, ...]``) -> ``Conversation.turns``, oldest first.
+
+    Keeps the dialogue alternating: a user message the bot never answered (refused, stopped
+    before the first token, failed) is dropped, app notices are dropped with the message they
+    answer, consecutive bot messages are joined, and system messages and files are ignored.
+    """
+    turns: list[str] = []
+    pending: str | None = None  # a user message waiting for its reply
+    last_role = None
+    for message in history or []:
+        if not isinstance(message, dict):
+            raise InputError("history must be a list of {'role', 'content'} messages")
+        role, text = message.get("role"), " ".join(_text(message.get("content")).split())
+        if role == "user":
+            if text:
+                pending = text  # an unanswered earlier message is replaced
+        elif role == "assistant":
+            if is_notice(message):
+                pending = None
+                continue
+            if not text:
+                continue
+            if pending is not None:
+                turns += [pending, text]
+                pending, last_role = None, "assistant"
+            elif last_role == "assistant":
+                turns[-1] += " " + text
+            else:  # the bot spoke first (a greeting)
+                turns.append(text)
+                last_role = "assistant"
+    return turns
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def preset_values(preset: str) -> tuple[int, bool, float, float, int]:
+    """The generation-settings controls' values for a preset (beams, sample, temp, top-p, max new)."""
+    s = PRESETS.get(preset, PRESETS["fast"])
+    return s.num_beams, s.do_sample, s.temperature, s.top_p, s.max_new_tokens
+
+
+def settings_from_inputs(preset, beams, sample, temperature, top_p, max_new_tokens, seed) -> GenerationSettings:
+    """The preset, overridden by the controls. Seed 0 (or empty) means a random seed."""
+    if preset not in PRESETS:
+        raise InputError(f"Unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+    base = PRESETS[preset]
+    try:
+        max_new = int(max_new_tokens if max_new_tokens is not None else base.max_new_tokens)
+        seed = int(seed or 0)
+        settings = replace(
+            base,
+            num_beams=int(beams if beams is not None else base.num_beams),
+            do_sample=bool(sample) if sample is not None else base.do_sample,
+            temperature=float(temperature if temperature is not None else base.temperature),
+            top_p=float(top_p if top_p is not None else base.top_p),
+            max_new_tokens=max_new,
+            # "faithful" asks for at least 20 tokens; a smaller max wins over that minimum.
+            min_new_tokens=max(0, min(base.min_new_tokens, max_new)),
+            seed=seed or None,
+        )
+    except (TypeError, ValueError) as err:
+        if isinstance(err, InputError):
+            raise
+        raise InputError(f"Invalid generation setting: {err}") from None
+    if settings.seed is not None and not 0 < settings.seed <= SEED_MAX:
+        raise InputError(f"seed must be between 0 (random) and {SEED_MAX}")
+    return settings
+
+
+SETTING_FIELDS = tuple(f.name for f in fields(GenerationSettings))
+
+
+def _setting_value(name: str, value, kind: type):
+    """A JSON value for a GenerationSettings field, checked and converted to the field's type."""
+    if name == "seed" and value is None:
+        return None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise InputError(f"Setting {name} must be true or false.")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (kind is int and value != int(value)):
+        raise InputError(f"Setting {name} must be {'an integer' if kind is int else 'a number'}.")
+    return kind(value)
+
+
+def settings_from_api(preset: str = "fast", overrides: dict | None = None) -> GenerationSettings:
+    """The API's settings: a preset plus any GenerationSettings fields by name."""
+    if preset not in PRESETS:
+        raise InputError(f"Unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise InputError("settings must be an object of generation settings by name.")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(SETTING_FIELDS))
+    if unknown:
+        raise InputError(f"Unknown settings {', '.join(unknown)}; known: {', '.join(SETTING_FIELDS)}.")
+    for name, value in overrides.items():
+        overrides[name] = _setting_value(name, value, int if name == "seed" else type(getattr(PRESETS[preset], name)))
+    if overrides.get("seed") == 0:
+        overrides["seed"] = None
+    if overrides.get("seed") is not None and not 0 < overrides["seed"] <= SEED_MAX:
+        raise InputError(f"seed must be between 0 (random) and {SEED_MAX}")
+    if "max_new_tokens" in overrides and "min_new_tokens" not in overrides:
+        overrides["min_new_tokens"] = max(0, min(PRESETS[preset].min_new_tokens, overrides["max_new_tokens"]))
+    try:
+        return replace(PRESETS[preset], **overrides)
+    except InputError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise InputError(f"Invalid generation setting: {err}") from None
+
+
+def meter_text(budget: Budget | None) -> str:
+    """How the encoder's positions were used by the last reply's input."""
+    if budget is None:
+        return "Token budget: shown after the first reply."
+    dropped = budget.dropped_turns
+    return (f"context {budget.context_tokens} + history {budget.history_tokens} = "
+            f"{budget.total_tokens} / {budget.max_tokens} tokens; "
+            f"{dropped} old turn{'' if dropped == 1 else 's'} dropped")
+
+
+# --------------------------------------------------------------------------- context control
+
+
+def context_for_kind(kind: str, context: str) -> str:
+    """The context box's value after the user picks ``kind``.
+
+    The user's own text is kept; a box that is empty or holds another kind's default (or an
+    emotion label) gets the new kind's default, and an emotion needs a label-like value.
+    """
+    context = (context or "").strip()
+    if kind == "none":
+        return context
+    if kind == "emotion":
+        return context if context and len(context.split()) <= 3 and context not in KIND_DEFAULTS.values() else \
+            KIND_DEFAULTS["emotion"]
+    if not context or context in KIND_DEFAULTS.values() or context in EMOTIONS:
+        return KIND_DEFAULTS[kind]
+    return context
+
+
+def context_visibility(kind: str) -> tuple[dict, dict]:
+    """(context textbox update, emotion dropdown update) for ``kind``: the dropdown replaces the
+    textbox for emotions, and kind ``none`` shows neither."""
+    label, info = CONTEXT_LABELS.get(kind, CONTEXT_LABELS["none"])
+    return (gr.update(visible=kind not in ("emotion", "none"), label=label, info=info),
+            gr.update(visible=kind == "emotion"))
+
+
+# --------------------------------------------------------------------------- chat
+
+
+def chat_fn(engine: ChatEngine):
+    """The ``gr.ChatInterface`` function: yields (reply so far, token meter)."""
+
+    def respond(message, history, kind="none", context="", preset="fast", beams=None, sample=None,
+                temperature=None, top_p=None, max_new_tokens=None, seed=0):
+        try:
+            settings = settings_from_inputs(preset, beams, sample, temperature, top_p, max_new_tokens, seed)
+            conv = Conversation(kind or "none", context or "", history_to_turns(history))
+            text, budget = "", None
+            for text, budget in engine.stream(conv, message if isinstance(message, str) else _text(message), settings):
+                yield text, meter_text(budget)
+        except InputError as err:  # the engine refused before any model call
+            gr.Warning(str(err))
+            yield notice(str(err)), gr.skip()
+            return
+        except Exception as err:
+            log.exception("reply failed")
+            raise gr.Error(f"The model could not reply ({type(err).__name__}: {err}).") from None
+        if not text:
+            yield notice("The model gave an empty reply; try again, or change the settings."), meter_text(budget)
+
+    return respond
+
+
+def api_chat_fn(engine: ChatEngine):
+    """The public ``/chat`` endpoint: stateless, returns (streams) the reply text."""
+
+    def chat(message: str, kind: str = "none", context: str = "", preset: str = "fast",
+             history: list[str] | None = None, settings: dict | None = None) -> str:
+        """Reply to `message` as the bot described by `kind` and `context`.
+
+        Args:
+            message: the user's message
+            kind: persona, emotion, task, topic or none
+            context: the persona sentence(s), emotion label, task goal or topic ("" for none)
+            preset: fast (greedy, streams) or faithful (beam 10, as Chat-E)
+            history: the conversation so far, oldest first, alternating user and bot (ends with the bot's last reply)
+            settings: overrides of the preset's generation settings, e.g. {"num_beams": 4, "seed": 1}
+        """
+        try:
+            if history is not None and (not isinstance(history, list) or not all(isinstance(t, str) for t in history)):
+                raise InputError("history must be a list of strings (the turns so far, oldest first).")
+            if not isinstance(message, str) or not isinstance(context or "", str):
+                raise InputError("message and context must be strings.")
+            conv = Conversation(kind or "none", context or "", list(history or []))
+            generation = settings_from_api(preset, settings)
+            for text, _ in engine.stream(conv, message, generation):
+                yield text
+        except InputError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        except Exception as err:
+            log.exception("reply failed")
+            raise gr.Error(f"The model could not reply ({type(err).__name__}: {err}).") from None
+
+    return chat
+
+
+# --------------------------------------------------------------------------- models
+
+
+def model_label(spec: str) -> str:
+    if Path(spec).resolve() == DEMO_DIR:
+        return "demo model (tiny, bundled)"
+    return spec
+
+
+def status_markdown(engine: ChatEngine) -> str:
+    loaded = engine.current
+    detail = f"input: prefix `{loaded.prefix.strip() or '(none)'}`, up to {loaded.max_source_length} tokens"
+    if engine.status.startswith("offline"):
+        status = engine.status[0].upper() + engine.status[1:]
+        return (f"⚠️ **{status}.** Its replies show that the pipeline works, not chat quality. ({detail})")
+    return f"✅ **Serving {model_label(loaded.name)}** ({detail})"
+
+
+def _checkpoint_label(final: Path) -> str:
+    label = f"{final.parent.name}/{final.name}"
+    results = final / RESULTS_FILE
+    try:
+        bleu = json.loads(results.read_text()).get("eval_bleu")
+        if isinstance(bleu, (int, float)):
+            label += f" · BLEU {bleu:.1f}"
+    except (OSError, ValueError):
+        pass
+    return label + time.strftime(" · %Y-%m-%d %H:%M", time.localtime(final.stat().st_mtime))
+
+
+def finished_checkpoints(root: Path | str) -> list[Path]:
+    """RUN/final folders under ``root`` that hold a complete model, newest first."""
+    found = [p.parent for p in Path(root).glob(f"*/{FINAL}/config.json")
+             if (p.parent / "model.safetensors").is_file() or (p.parent / "model.safetensors.index.json").is_file()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def model_choices(root: Path | str | None = None, base: str | None = None,
+                  current: str | None = None) -> list[tuple[str, str]]:
+    """The model picker's (label, spec) choices: base model, demo model, finished checkpoints
+    (newest first), and the model being served if it is none of those."""
+    base = base or base_model()
+    choices = [(f"{base} (base model)", base), (model_label(str(DEMO_DIR)), str(DEMO_DIR))]
+    choices += [(_checkpoint_label(p), str(p)) for p in finished_checkpoints(root if root is not None else runs_root())]
+    seen, unique = set(), []
+    for label, spec in choices:
+        key = str(Path(spec).resolve()) if Path(spec).exists() else spec
+        if key not in seen:
+            seen.add(key)
+            unique.append((label, spec))
+    if current and current not in {spec for _, spec in unique} and \
+            (not Path(current).exists() or str(Path(current).resolve()) not in seen):
+        unique.insert(0, (f"{model_label(current)} (serving)", current))
+    return unique
+
+
+def current_choice(engine: ChatEngine, choices: list[tuple[str, str]]) -> str | None:
+    """The picker value that names the model being served."""
+    name = engine.current.name
+    for _, spec in choices:
+        if spec == name or (Path(spec).exists() and Path(name).exists()
+                            and Path(spec).resolve() == Path(name).resolve()):
+            return spec
+    return None
+
+
+def refresh_models(engine: ChatEngine):
+    choices = model_choices(current=engine.current.name)
+    return gr.update(choices=choices, value=current_choice(engine, choices))
+
+
+def spec_to_load(choice: str | None, hub_id: str | None) -> str:
+    """The model to load: the Hub id typed by the user if any, else the picker's choice."""
+    hub_id = (hub_id or "").strip()
+    if hub_id:
+        if not HUB_ID.match(hub_id) or ".." in hub_id:
+            raise InputError(f"{hub_id!r} is not a Hub model id (expected owner/name).")
+        return hub_id
+    if not choice:
+        raise InputError("Pick a model or type a Hub id first.")
+    return choice
+
+
+def load_model(engine: ChatEngine, choice: str | None, hub_id: str | None):
+    """Swap the served model; yields (status, picker update). On failure the current model
+    keeps serving and the user gets a warning."""
+    try:
+        spec = spec_to_load(choice, hub_id)
+    except InputError as err:
+        gr.Warning(str(err))
+        yield status_markdown(engine), gr.skip()
+        return
+    yield f"⏳ Loading {model_label(spec)} … (the current model keeps serving until it is ready)", gr.skip()
+    try:
+        engine.swap(spec)
+    except Exception as err:  # noqa: BLE001 - any failure leaves the served model as it was
+        log.warning("cannot load %s: %s", spec, err)
+        gr.Warning(f"Could not load {model_label(spec)}: {err}")
+        yield status_markdown(engine), gr.skip()
+        return
+    gr.Info(f"Now serving {model_label(spec)}")
+    yield status_markdown(engine), refresh_models(engine)

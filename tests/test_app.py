@@ -1,0 +1,514 @@
+"""The web app: chat/ui.py's functions, the README's Space front matter, and the launched app
+through gradio_client (the bundled demo model, offline, on 127.0.0.1), plus ``python app.py``
+started as users start it.
+
+Nothing is mocked: replies come from the real demo model. Where a test must see that no model
+call happened, it wraps the real ``generate`` with a counting wrapper.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import gradio as gr
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+
+from chat import ui
+from chat.engine import (
+    DEMO_DIR,
+    PRESETS,
+    Budget,
+    ChatEngine,
+    Conversation,
+    GenerationSettings,
+    InputError,
+    load_checkpoint,
+)
+from chat.prompt import EMOTIONS, KINDS
+
+ROOT = Path(__file__).resolve().parent.parent
+HELLO = "hi! tell me about yourself."
+CONTEXTS = {"persona": ui.CHAT_E_PERSONA, "emotion": "joyful", "task": "vacation ideas", "topic": "jazz", "none": ""}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    # fp32 as trained, whatever CHAT_OPTIMIZE says: the tests compare batched replies with single
+    # ones, which int8 dynamic quantization does not keep equal (see tests/test_chat.py).
+    return load_checkpoint(str(DEMO_DIR), optimize="none")
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model):
+    return ChatEngine(demo_model, "offline: using the demo model (a tiny BlenderBot) instead of facebook/x")
+
+
+@pytest.fixture
+def fresh_engine(demo_model):
+    """An engine of its own (for swaps and call counting)."""
+    return ChatEngine(demo_model, f"serving {DEMO_DIR}")
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    """The app around the demo engine, launched in-process; yields its URL."""
+    import app
+
+    saved = os.environ.get("PERSONA_CHAT_RUNS")
+    os.environ["PERSONA_CHAT_RUNS"] = str(tmp_path_factory.mktemp("no-runs"))
+    demo = app.build_demo(engine)
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
+                            quiet=True)
+    yield url
+    demo.close()
+    if saved is None:
+        os.environ.pop("PERSONA_CHAT_RUNS", None)
+    else:
+        os.environ["PERSONA_CHAT_RUNS"] = saved
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return Client(server, verbose=False)
+
+
+def model_calls(engine, monkeypatch) -> list:
+    """Count real generate() calls on the engine's model (the real generate still runs)."""
+    model = engine.current.model
+    real, calls = model.generate, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", counting)
+    return calls
+
+
+# --------------------------------------------------------------------------- chat/ui.py
+
+
+def test_kind_choices_send_kinds_values():
+    assert [value for _, value in ui.KIND_CHOICES] == list(KINDS)
+    assert [label for label, _ in ui.KIND_CHOICES] == ["Persona", "Emotion", "Task goal", "Topic", "None"]
+
+
+def test_examples_cover_every_kind_with_chat_e_contexts():
+    assert sorted({kind for _, kind, _ in ui.EXAMPLES}) == sorted(KINDS)
+    contexts = {kind: context for _, kind, context in ui.EXAMPLES}
+    assert contexts["persona"] == "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly."
+    assert contexts["emotion"] in EMOTIONS and contexts["task"] == "vacation ideas"
+
+
+def test_history_to_turns_plain_and_gradio_normalized():
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"},
+             {"role": "user", "content": "how are you?"}, {"role": "assistant", "content": "fine."}]
+    assert ui.history_to_turns(plain) == ["hi", "hello!", "how are you?", "fine."]
+    # What gr.Chatbot's preprocess hands over: content is a list of parts, metadata present.
+    normalized = [{"role": m["role"], "metadata": None, "options": None,
+                   "content": [{"type": "text", "text": m["content"]}]} for m in plain]
+    assert ui.history_to_turns(normalized) == ui.history_to_turns(plain)
+    assert ui.history_to_turns([]) == [] and ui.history_to_turns(None) == []
+
+
+def test_history_to_turns_keeps_the_dialogue_alternating():
+    history = [
+        {"role": "system", "content": "ignored"},
+        {"role": "assistant", "content": "Hello, I'm Chat-E!"},  # the bot spoke first
+        {"role": "user", "content": ""},
+        ui.notice("Type a message first."),  # refused: neither side is a turn
+        {"role": "user", "content": "never answered (stopped)"},
+        {"role": "user", "content": "  what  is\nup? "},
+        {"role": "assistant", "content": "not much."},
+        {"role": "assistant", "content": [{"type": "text", "text": "you?"}, {"type": "file", "file": {"path": "x"}}]},
+        {"role": "user", "content": "too long " * 200},
+        ui.notice("The message is too long."),
+    ]
+    assert ui.history_to_turns(history) == ["Hello, I'm Chat-E!", "what is up?", "not much. you?"]
+
+
+def test_settings_from_inputs_presets_and_overrides():
+    for name, preset in PRESETS.items():
+        assert ui.settings_from_inputs(name, *ui.preset_values(name), 0) == preset
+    s = ui.settings_from_inputs("faithful", 4, True, 0.5, 0.8, 10, 42)
+    assert (s.num_beams, s.do_sample, s.temperature, s.top_p, s.max_new_tokens, s.seed) == (4, True, 0.5, 0.8, 10, 42)
+    assert s.min_new_tokens == 10  # faithful's minimum of 20 gives way to a max of 10
+    assert s.encoder_no_repeat_ngram_size == PRESETS["faithful"].encoder_no_repeat_ngram_size
+    assert ui.settings_from_inputs("fast", 1, False, 0.7, 0.9, 40, None).seed is None
+    assert ui.settings_from_inputs("fast", 1.0, False, 0.7, 0.9, 40.0, 3.0) == GenerationSettings(
+        **{**PRESETS["fast"].__dict__, "seed": 3})
+
+
+@pytest.mark.parametrize("args", [("slow", 1, False, 0.7, 0.9, 40, 0), ("fast", 0, False, 0.7, 0.9, 40, 0),
+                                  ("fast", 1, False, 0.7, 0.9, 500, 0), ("fast", 1, True, 9.0, 0.9, 40, 0),
+                                  ("fast", 1, False, 0.7, 0.9, 40, -1), ("fast", "x", False, 0.7, 0.9, 40, 0)])
+def test_settings_from_inputs_refuses_bad_values(args):
+    with pytest.raises(InputError):
+        ui.settings_from_inputs(*args)
+
+
+def test_settings_from_api():
+    assert ui.settings_from_api() == PRESETS["fast"]
+    s = ui.settings_from_api("faithful", {"num_beams": 2, "max_new_tokens": 8, "seed": 0})
+    assert (s.num_beams, s.max_new_tokens, s.min_new_tokens, s.seed) == (2, 8, 8, None)
+    assert ui.settings_from_api("fast", {"temperature": 1, "do_sample": True, "seed": 7.0}).seed == 7
+    for preset, overrides in [("fast", {"beams": 2}), ("nope", None), ("fast", {"num_beams": "many"}),
+                              ("fast", {"top_p": 3}), ("fast", {"num_beams": 2.5}), ("fast", {"do_sample": 1}),
+                              ("fast", {"seed": "abc"}), ("fast", {"seed": -3}), ("fast", {"seed": True}),
+                              ("fast", ["num_beams", 2])]:
+        with pytest.raises(InputError):
+            ui.settings_from_api(preset, overrides)
+
+
+def test_meter_text():
+    assert ui.meter_text(Budget(12, 30, 42, 128, 0)) == "context 12 + history 30 = 42 / 128 tokens; 0 old turns dropped"
+    assert ui.meter_text(Budget(20, 108, 128, 128, 1)).endswith("128 / 128 tokens; 1 old turn dropped")
+    assert "after the first reply" in ui.meter_text(None)
+
+
+def test_context_follows_the_kind():
+    assert ui.context_for_kind("emotion", ui.CHAT_E_PERSONA) == "joyful"
+    assert ui.context_for_kind("emotion", "happy") == "happy"  # Chat-E's value is kept as a custom one
+    assert ui.context_for_kind("task", "joyful") == "vacation ideas"
+    assert ui.context_for_kind("persona", "") == ui.CHAT_E_PERSONA
+    assert ui.context_for_kind("persona", "i am a chef.") == "i am a chef."  # the user's own text stays
+    assert ui.context_for_kind("none", "jazz") == "jazz"
+    textbox, dropdown = ui.context_visibility("emotion")
+    assert (textbox["visible"], dropdown["visible"]) == (False, True)
+    textbox, dropdown = ui.context_visibility("task")
+    assert (textbox["visible"], textbox["label"], dropdown["visible"]) == (True, "Task goal", False)
+    assert ui.context_visibility("none")[0]["visible"] is False
+
+
+def make_final(root: Path, name: str, mtime: float, bleu: float | None = None, complete: bool = True) -> Path:
+    final = root / name / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    if complete:
+        (final / "model.safetensors").write_bytes(b"")
+    if bleu is not None:
+        (final / "all_results.json").write_text(json.dumps({"eval_bleu": bleu}))
+    for p in (final / "config.json", final):
+        os.utime(p, (mtime, mtime))
+    return final
+
+
+def test_model_choices_lists_base_demo_and_finished_runs_newest_first(tmp_path):
+    old = make_final(tmp_path, "old", 1_000_000, bleu=7.06)
+    new = make_final(tmp_path, "new", 2_000_000)
+    make_final(tmp_path, "crashed", 3_000_000, complete=False)
+    (tmp_path / "running" / "checkpoints").mkdir(parents=True)
+    choices = ui.model_choices(tmp_path, base="facebook/blenderbot-400M-distill")
+    assert [spec for _, spec in choices] == ["facebook/blenderbot-400M-distill", str(DEMO_DIR), str(new), str(old)]
+    labels = [label for label, _ in choices]
+    assert labels[0] == "facebook/blenderbot-400M-distill (base model)" and labels[1].startswith("demo model")
+    assert labels[3].startswith("old/final · BLEU 7.1 · ")
+    # A model being served that is none of those (a Hub id typed by a user) is listed first.
+    served = ui.model_choices(tmp_path, base="b/base", current="user/other")
+    assert served[0] == ("user/other (serving)", "user/other") and len(served) == 5
+    assert ui.model_choices(tmp_path / "missing", base="b/base", current=str(DEMO_DIR)) == \
+        [("b/base (base model)", "b/base"), ("demo model (tiny, bundled)", str(DEMO_DIR))]
+
+
+def test_model_choices_default_base_and_runs_root_from_env(tmp_path, monkeypatch):
+    new = make_final(tmp_path, "r1", 2_000_000)
+    monkeypatch.setenv("PERSONA_CHAT_RUNS", str(tmp_path))
+    monkeypatch.setenv("CHAT_MODEL", "me/chat")
+    assert [spec for _, spec in ui.model_choices()] == ["me/chat", str(DEMO_DIR), str(new)]
+    monkeypatch.delenv("CHAT_MODEL")
+    assert ui.model_choices()[0][1] == "facebook/blenderbot-400M-distill"
+
+
+def test_spec_to_load():
+    assert ui.spec_to_load(str(DEMO_DIR), "  ") == str(DEMO_DIR)
+    assert ui.spec_to_load(str(DEMO_DIR), " user/my-model ") == "user/my-model"
+    for hub_id in ["/etc", "../x/y", "a/b/c", "user/../x", "no-slash"]:
+        with pytest.raises(InputError):
+            ui.spec_to_load(None, hub_id)
+    with pytest.raises(InputError):
+        ui.spec_to_load(None, "")
+
+
+def test_status_markdown(engine, fresh_engine):
+    offline = ui.status_markdown(engine)
+    assert offline.startswith("⚠️ **Offline: using the demo model (a tiny BlenderBot) instead of facebook/x.**")
+    assert ui.status_markdown(fresh_engine).startswith("✅ **Serving demo model (tiny, bundled)**")
+    assert "up to 128 tokens" in offline and "`chatbot:`" in offline
+
+
+def test_chat_fn_streams_reply_and_meter(engine):
+    respond = ui.chat_fn(engine)
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi! how are you?"}]
+    out = list(respond(HELLO, history, "persona", "i love dogs.", "fast", *ui.preset_values("fast")[:4], 40, 0))
+    texts = [t for t, _ in out]
+    assert texts[-1] and all(b.startswith(a) for a, b in itertools.pairwise(texts))  # it streams
+    expected, budget = engine.reply(Conversation("persona", "i love dogs.", ["hello", "hi! how are you?"]), HELLO)
+    assert texts[-1] == expected
+    assert out[-1][1] == ui.meter_text(budget) and budget.history_tokens > 0
+
+
+def test_chat_fn_refuses_bad_input_without_model_call(fresh_engine, monkeypatch):
+    calls = model_calls(fresh_engine, monkeypatch)
+    respond = ui.chat_fn(fresh_engine)
+    titles = []
+    for message, kind, context, seed in [("", "none", "", 0), ("   ", "persona", "x", 0), ("hi", "persona", "", 0),
+                                         ("x" * 1001, "none", "", 0), ("hi", "nope", "", 0), ("hi", "none", "", -5)]:
+        with pytest.warns(UserWarning):  # gr.Warning outside a request becomes a Python warning
+            (reply, meter), = list(respond(message, [], kind, context, "fast", 1, False, 0.7, 0.9, 40, seed))
+        assert ui.is_notice(reply) and reply["metadata"]["title"].startswith("⚠️ ")
+        assert meter == gr.skip()
+        titles.append(reply["metadata"]["title"])
+    assert titles[:4] == ["⚠️ Type a message first.", "⚠️ Type a message first.",
+                          "⚠️ The persona needs a context (e.g. a persona sentence).",
+                          "⚠️ The message is too long (1001 characters; the limit is 1000)."]
+    assert calls == []
+    list(respond("ok", [], "none", "", "fast", 1, False, 0.7, 0.9, 40, 0))
+    assert calls == [1]
+
+
+def test_load_model_keeps_serving_on_failure(fresh_engine, tiny_path, tmp_path):
+    before = fresh_engine.current
+    broken = tmp_path / "broken" / "final"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text("{}")
+    for choice, hub in [(str(broken), ""), (None, "not a hub id"), (str(tmp_path / "nothing"), "")]:
+        with pytest.warns(UserWarning, match="Could not load|not a Hub model id|Pick a model"):
+            steps = list(ui.load_model(fresh_engine, choice, hub))
+        assert steps[-1][0] == ui.status_markdown(fresh_engine)
+        assert fresh_engine.current is before
+    steps = list(ui.load_model(fresh_engine, str(tiny_path), ""))
+    assert steps[0][0].startswith("⏳ Loading")
+    assert fresh_engine.current is not before and fresh_engine.status == f"serving {tiny_path}"
+    assert steps[-1][0].startswith(f"✅ **Serving {tiny_path}**")
+
+
+# --------------------------------------------------------------------------- app.py and README
+
+
+def test_importing_app_loads_no_model():
+    import app
+
+    assert app._demo is None  # app.demo is built (and the engine started) on first access only
+
+
+def test_blocks_wiring(engine):
+    import app
+
+    demo = app.build_demo(engine)
+    chat = demo.chat_interface
+    assert isinstance(chat, gr.ChatInterface)
+    labels = [c.label for c in chat.additional_inputs]
+    assert labels[:3] == ["The bot has a…", "Persona", "Preset"]
+    assert chat.additional_inputs[0].choices == [tuple(c) for c in ui.KIND_CHOICES]
+    assert chat.cache_examples is False and chat.api_visibility == "private"
+    public = [d for d in demo.fns.values() if d.api_visibility == "public"]
+    assert [d.api_name for d in public] == ["chat"]
+    assert demo._queue.max_size == app.QUEUE_MAX_SIZE == 64
+    assert demo._queue.default_concurrency_limit == app.CONCURRENCY == 8
+    tabs = [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
+    assert tabs == ["Chat", "Train"]
+
+
+def test_chat_interface_round_trip_keeps_the_dialogue(engine):
+    """Through ChatInterface's own streaming wrapper and the Chatbot's postprocess/preprocess (what
+    the browser gets and sends back): replies and notices land in the history, and the next
+    request sees only the real turns."""
+    import asyncio
+
+    import app
+
+    chat = app.build_demo(engine).chat_interface
+    inputs = ["persona", "i love dogs.", "fast", *ui.preset_values("fast")[:4], 40, 0]
+
+    async def send(message, history):
+        outputs = [out async for out in chat._stream_fn(message, history, *inputs)]
+        return outputs[-1]
+
+    def browser(history):
+        return chat.chatbot.preprocess(chat.chatbot.postprocess(history))
+
+    reply, history, meter = asyncio.run(send("hi there", []))
+    assert reply == engine.reply(Conversation("persona", "i love dogs."), "hi there")[0]
+    assert meter.startswith("context ") and meter.endswith("0 old turns dropped")
+    with pytest.warns(UserWarning, match="Type a message first"):
+        refused, history, meter = asyncio.run(send("  ", browser(history)))
+    assert ui.is_notice(refused) and meter == gr.skip()
+    reply2, history, _ = asyncio.run(send("do you have pets?", browser(history)))
+    assert ui.history_to_turns(browser(history)) == ["hi there", reply, "do you have pets?", reply2]
+    assert reply2 == engine.reply(Conversation("persona", "i love dogs.", ["hi there", reply]), "do you have pets?")[0]
+
+
+def test_readme_front_matter_describes_a_gradio_space():
+    from huggingface_hub import RepoCard, metadata_load
+
+    readme = ROOT / "README.md"
+    assert readme.read_text().startswith("---\n")
+    meta = metadata_load(readme)
+    assert meta["sdk"] == "gradio" and meta["app_file"] == "app.py"
+    assert meta["sdk_version"] == gr.__version__
+    assert str(meta["python_version"]) == "3.11" and meta["pinned"] is False
+    assert {"title", "emoji", "colorFrom", "colorTo"} <= set(meta)
+    card = RepoCard.load(readme, repo_type="space")
+    assert card.data.sdk == "gradio" and card.data.app_file == "app.py"
+    assert "## Chat app" in card.text and "### API" in card.text and "# persona-chat" in card.text
+
+
+# --------------------------------------------------------------------------- through gradio_client
+
+
+def test_api_signature(client):
+    info = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    assert list(info) == ["/chat"]
+    params = [(p["parameter_name"], p["parameter_has_default"], p["parameter_default"])
+              for p in info["/chat"]["parameters"]]
+    assert params == [("message", False, None), ("kind", True, "none"), ("context", True, ""),
+                      ("preset", True, "fast"), ("history", True, None), ("settings", True, None)]
+
+
+def test_every_kind_replies_through_the_api(client, engine):
+    replies = {kind: client.predict(HELLO, kind, CONTEXTS[kind], api_name="/chat") for kind in KINDS}
+    for kind, reply in replies.items():
+        assert isinstance(reply, str) and reply.strip()
+        assert reply == engine.reply(Conversation(kind, CONTEXTS[kind]), HELLO)[0]  # greedy, "fast" defaults
+    assert replies["persona"] != replies["emotion"]
+    # Chat-E's emotion was "happy", not one of the 32 labels: still accepted as a custom value.
+    assert client.predict(HELLO, "emotion", "happy", api_name="/chat").strip()
+
+
+def test_api_streams_and_takes_settings(client, engine):
+    job = client.submit(HELLO, "topic", "jazz", api_name="/chat")
+    final = job.result()
+    outputs = job.outputs()
+    assert len(outputs) > 1 and outputs[-1] == final
+    assert all(b.startswith(a) for a, b in itertools.pairwise(outputs))
+    beam = client.predict(HELLO, "topic", "jazz", preset="faithful", settings={"num_beams": 3, "max_new_tokens": 12},
+                          api_name="/chat")
+    expected = engine.reply(Conversation("topic", "jazz"), HELLO, ui.settings_from_api(
+        "faithful", {"num_beams": 3, "max_new_tokens": 12}))[0]
+    assert beam == expected
+
+
+CONV_A = ("persona", "i love dogs.", ["hi!", "do you have pets?", "what is your favourite food?"])
+CONV_B = ("emotion", "sad", ["hello.", "my cat ran away.", "what should i do?"])
+
+
+def run_conversation(client, kind, context, messages, step=None):
+    """Chat through the stateless API, carrying the history; ``step`` runs between turns."""
+    history = []
+    for message in messages:
+        reply = client.predict(message, kind, context, history=history, api_name="/chat")
+        history = [*history, message, reply]
+        if step:
+            step()
+    return history
+
+
+def test_two_clients_conversations_stay_apart(server):
+    """/chat is stateless by design: interleaving two clients' conversations, turn by turn or
+    concurrently, gives exactly the replies each gets alone."""
+    alone_a = run_conversation(Client(server, verbose=False), *CONV_A)
+    alone_b = run_conversation(Client(server, verbose=False), *CONV_B)
+    assert alone_a[1::2] != alone_b[1::2]
+
+    client_a, client_b = Client(server, verbose=False), Client(server, verbose=False)
+    b_history, b_messages = [], iter(CONV_B[2])
+
+    def b_turn():  # one turn of B after each turn of A
+        message = next(b_messages)
+        b_history.extend([message, client_b.predict(message, *CONV_B[:2], history=list(b_history),
+                                                    api_name="/chat")])
+
+    assert run_conversation(client_a, *CONV_A, step=b_turn) == alone_a
+    assert b_history == alone_b
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        together = list(pool.map(lambda conv: run_conversation(Client(server, verbose=False), *conv), [CONV_A, CONV_B]))
+    assert together == [alone_a, alone_b]
+
+
+@pytest.mark.parametrize("message", ["", "   ", "<s> </s>"])
+def test_empty_message_gives_the_friendly_error(client, message):
+    with pytest.raises(AppError, match="Type a message first."):
+        client.predict(message, "persona", ui.CHAT_E_PERSONA, api_name="/chat")
+    assert client.predict("still there?", "none", "", api_name="/chat").strip()  # the app keeps serving
+
+
+@pytest.mark.parametrize("args, kwargs, error", [
+    (("hi", "persona", ""), {}, "needs a context"),
+    (("hi", "villain", "x"), {}, "Unknown kind"),
+    (("x" * 1001, "none", ""), {}, "too long"),
+    (("hi", "none", ""), {"preset": "slow"}, "Unknown preset"),
+    (("hi", "none", ""), {"settings": {"beams": 3}}, "Unknown settings"),
+    (("hi", "none", ""), {"history": "hi"}, "history must be a list"),
+    (("hi", "none", ""), {"settings": {"seed": "abc"}}, "seed must be an integer"),
+    # Refused by generate() (until GenerationSettings checks it): a readable error either way, no hang.
+    (("hi", "none", ""), {"settings": {"repetition_penalty": -1.0}}, "(?i)penalty"),
+])
+def test_refused_input_is_explained(client, args, kwargs, error):
+    with pytest.raises(AppError, match=error):
+        client.predict(*args, **kwargs, api_name="/chat")
+
+
+def test_page_and_config_show_the_offline_notice(server):
+    html = urllib.request.urlopen(server, timeout=10).read().decode()
+    assert "Chat-E" in html
+    config = json.loads(urllib.request.urlopen(server.rstrip("/") + "/config", timeout=10).read())
+    values = [c.get("props", {}).get("value") for c in config["components"]]
+    assert any(isinstance(v, str) and v.startswith("⚠️ **Offline: using the demo model") for v in values)
+
+
+# --------------------------------------------------------------------------- python app.py
+
+
+def test_python_app_py_serves_the_demo_model_offline(tmp_path):
+    """As users start it: CHAT_MODEL unset, offline, empty HF cache -> the demo model with a notice,
+    on GRADIO_SERVER_NAME/PORT, within 60 s."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("CHAT_MODEL", "PERSONA_CHAT_RUNS")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), GRADIO_SERVER_NAME="127.0.0.1",
+               GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        while True:
+            assert proc.poll() is None, "app.py exited:\n" + "".join(lines)
+            assert time.perf_counter() - started < 60, "not ready within 60 s:\n" + "".join(lines)
+            try:
+                config = json.loads(urllib.request.urlopen(url + "config", timeout=2).read())
+                break
+            except OSError:
+                time.sleep(0.25)
+        ready = time.perf_counter() - started
+        values = [c.get("props", {}).get("value") for c in config["components"]]
+        assert any(isinstance(v, str) and v.startswith("⚠️ **Offline: using the demo model")
+                   and "instead of facebook/blenderbot-400M-distill" in v for v in values)
+        assert Client(url, verbose=False).predict("hi!", "none", "", api_name="/chat").strip()
+        print(f"python app.py ready in {ready:.1f} s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
