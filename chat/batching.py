@@ -96,8 +96,9 @@ class Batcher:
             for r in [r for r in self._held if r.key == first.key][: self.max_batch - 1]:
                 self._held.remove(r)
                 batch.append(r)
-            # Wait a few milliseconds for more requests that can join this batch.
-            deadline = time.monotonic() + self.window_s
+            # Wait a few milliseconds for more requests that can join this batch (none can join
+            # a request that must run alone).
+            deadline = time.monotonic() + (0 if first.key[0] == "alone" else self.window_s)
             while len(batch) < self.max_batch:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

@@ -304,6 +304,7 @@ class ChatEngine:
     # --- output
     @staticmethod
     def _clean_reply(text: str) -> str:
+        text = _CONTROL.sub(" ", text).replace("\ufffd", "")  # stray bytes of an untrained model
         return re.sub(r"\s+", " ", text).strip()
 
     def _prepare(self, conv: Conversation, message: str, settings: GenerationSettings):
