@@ -47,6 +47,7 @@ greedy time for a small accuracy gain).
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 
@@ -55,7 +56,7 @@ from torch import nn
 
 OPTIMIZE_MODES = ("none", "bf16", "int8")
 # Fastest by a wide margin and meets every latency and memory target (docs/cpu-inference-notes.md).
-CPU_DEFAULT = "bf16"
+CPU_DEFAULT = "int8"
 
 _MARK = "_cpu_optimization"
 
@@ -92,6 +93,7 @@ def optimize_for_cpu(model: nn.Module, mode: str, *, num_threads: int | None = N
         model.to(torch.float32)  # dynamic quantization starts from fp32 weights
         _quantize_int8(model)
     setattr(model, _MARK, mode)
+    gc.collect()  # free replaced tensors now (and with them the checkpoint's memory map)
     return model
 
 
@@ -129,6 +131,7 @@ def _detach_from_checkpoint_file(model: nn.Module) -> None:
                 clone = buf.clone()
                 seen.add(id(clone))
                 module._buffers[name] = clone
+    gc.collect()  # the replaced fp32 modules sit in reference cycles that still hold the mapping
 
 
 def optimization_of(model: nn.Module) -> str | None:
