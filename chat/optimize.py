@@ -6,43 +6,48 @@ It works in place (no second copy of the weights) and also returns the model, so
 ``model = optimize_for_cpu(model, "int8")`` reads naturally; after "bf16" or "int8" do not keep
 using an fp32 reference to the same object.
 
-Modes (effect measured on a 2-core AMD EPYC with AVX512-BF16/VNNI, torch 2.13, the
-blenderbot-400M-distill shape, 64-token prompt, 24-token reply; ``python -m chat.bench_variants``)
+Modes (measured with ``python -m chat.bench_variants --repeats 2`` on a 2-core AMD EPYC with
+AVX512-BF16/VNNI, torch 2.13, the blenderbot-400M-distill shape with random weights, 64-token
+prompt, 24-token reply; p50 of 16; greedy streamed through TextIteratorStreamer; idle machine.
+Full table and caveats: docs/cpu-inference-notes.md)
 
 ``"none"``
-    fp32 as trained (a bf16-loaded model is cast back to fp32). The reference: greedy ~1.7 s,
-    beam-10 "faithful" ~3.5 s, RSS ~1.6 GiB.
+    fp32 as trained (a bf16-loaded model is cast back to fp32). Greedy 1.74 s, beam-10 "faithful"
+    3.91 s, first token 0.15 s. RSS 1.86 GiB, of which 1.47 GiB is the memory-mapped checkpoint.
 ``"bf16"``
-    Every weight and activation in bfloat16 (oneDNN AVX512-BF16 kernels). ~2.5x faster than fp32
-    (greedy ~0.7 s, beam-10 ~1.2 s), half the weight memory, logits within ~1 % of fp32. The
-    first call at each new shape is slow (oneDNN primitive creation): warm up once after loading.
-    Loading straight in bf16 (``load_model(path, dtype=torch.bfloat16)``) avoids the transient
-    fp32 copy; this function accepts such a model as is.
+    Every weight and activation in bfloat16 (oneDNN AVX512-BF16 kernels). Greedy 0.87 s (2.0x),
+    beam-10 1.45 s (2.7x), first token 0.07 s; RSS 1.15 GiB. Logits within 1.2 % of fp32 (relative
+    L2), teacher-forced top-1 99 %. The first call at each new shape is slow (oneDNN primitive
+    creation): warm up once after loading. Peak RSS while converting: 2.43 GiB (the fp32 file pages
+    plus the bf16 copy).
 ``"int8"``
     Dynamic int8 quantization of every ``nn.Linear`` (weights int8 with per-output-channel scales,
-    activations quantized per call; fbgemm/x86 VNNI kernels) via
-    ``torch.ao.quantization.quantize_dynamic``. ~5x faster than fp32 (greedy ~0.33 s, beam-10
-    ~0.7 s) and the smallest footprint; logits within ~5 % of fp32 (relative L2 norm on random
-    weights), which can flip near-tied beam choices. Embeddings, LayerNorms and attention stay fp32.
-    The fastest mode and the CPU default. ``quantize_dynamic`` is *deprecated* (torch.ao says it
-    moves to torchao's ``quantize_``) but still present and working in torch 2.13; the deprecation
-    warning is silenced here. Quantizing takes ~3 s; peak RSS during it is the fp32 model plus the
-    int8 copy being built. Quantized modules are read-only at inference, so concurrent calls from
-    several threads are safe (but see threads below).
+    activations quantized on the fly per call; fbgemm/x86 VNNI kernels) via
+    ``torch.ao.quantization.quantize_dynamic``; embeddings, LayerNorms and attention stay fp32.
+    Greedy 0.48 s (3.6x; 0.39 s with ``num_threads=1``), beam-10 0.78 s (5.0x), first token 0.04 s;
+    RSS 0.92 GiB. Logits within 4.6 % of fp32, teacher-forced top-1 93 % on random weights (where
+    top choices are near ties); on the trained demo model 7/8 greedy and 8/8 beam replies equal
+    fp32's. Quantizing takes ~3.5 s; peak RSS while quantizing 2.22 GiB (1.47 GiB of it the checkpoint's
+    file pages, which the kernel can drop). Caveats: ``quantize_dynamic`` is *deprecated* (torch.ao
+    says to move to torchao's ``quantize_``) but present and working in torch 2.13 (its warnings
+    are silenced here). Activations are quantized with one scale per call over the whole batch,
+    so a row's result depends on the other rows: batching different requests together changes
+    their replies (chat/batching.py serves int8 requests alone). The quantized modules are
+    read-only at inference: concurrent calls from several threads are safe, if slow (see below).
 
-``num_threads``: sets ``torch.set_num_threads`` (process-wide) when given. With as many threads
-as cores (torch's default) a reply is fastest on an idle machine, but OpenMP's busy-waiting makes
-it 3-6x slower as soon as anything else competes for a core (another reply generated at the same
-time, tests, a tokenizer). One thread per generation degrades gracefully (measured on int8: greedy
-0.35-0.42 s busy vs 0.97-1.17 s with 2 threads; beam-10 1.0-1.9 s vs 2.9-4.5 s). So: serialize
-generate calls (one at a time, batching concurrent requests) and keep the default, or use
-``num_threads=1`` when the CPU is shared.
+``num_threads`` sets ``torch.set_num_threads`` (process-wide) when given. torch's default (one
+thread per core) is fastest for beam search on an idle machine, but OpenMP's busy-waiting makes
+it several times slower as soon as anything else wants a core, including the consumer thread of
+a streamer: streamed int8 greedy takes 0.45 s with 2 threads vs 0.37 s with 1 (unstreamed 0.31 vs
+0.37 s). With one core taken by another process, int8 with 2 threads: greedy 0.92 s, beam-10 3.5 s;
+with 1 thread: 0.73 s and 1.18 s. So run one generate at a time, and use 1 thread for streamed
+greedy replies and whenever the CPU is shared.
 
-Tried and not kept: ``torch.compile`` (dynamic shapes: 68 s compile, no gain on bf16 greedy),
+Tried and not kept: ``torch.compile`` (dynamic shapes: 68 s to compile, no gain on bf16 greedy),
 ``cache_implementation="static"`` (no gain), eager attention instead of SDPA (no difference at
 these lengths), int8 weight-only with bf16 activations (``torch._weight_int8pack_mm``, a private
-op; between bf16 and int8 on speed and accuracy), keeping ``lm_head`` in fp32 (costs ~15 % of
-greedy time for a small accuracy gain).
+op, or torchao's ``Int8WeightOnlyConfig``: between bf16 and int8 on speed and accuracy), keeping
+``lm_head`` in fp32 (logits error 4.6 % -> 4.3 %, for an fp32 8008x1280 product per step).
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ import torch
 from torch import nn
 
 OPTIMIZE_MODES = ("none", "bf16", "int8")
-# Fastest by a wide margin and meets every latency and memory target (docs/cpu-inference-notes.md).
+# The engine's default mode on a CPU (CHAT_OPTIMIZE overrides it): ~2x faster per reply than bf16
+# and the only mode that keeps the latency targets when the CPU is shared; served unbatched.
+# The measured trade-off: docs/cpu-inference-notes.md.
 CPU_DEFAULT = "int8"
 
 _MARK = "_cpu_optimization"
