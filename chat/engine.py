@@ -23,7 +23,7 @@ from transformers import AutoConfig, GenerationConfig, TextIteratorStreamer
 from chat.batching import Batcher
 from chat.optimize import CPU_DEFAULT, OPTIMIZE_MODES, optimize_for_cpu
 from chat.prompt import KINDS, fit_source, format_context, join_source, neutralize
-from finetune.checkpoint import FINAL, TRAINING_ARGS_FILE
+from finetune.checkpoint import FINAL, TRAINING_ARGS_FILE, list_finals
 from finetune.model import ModelLoadError, load_model, load_tokenizer, resolve
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,9 @@ def _resolve_dir(spec: str) -> Path | None:
         return path
     if (path / FINAL / "config.json").is_file():
         return path / FINAL
-    finals = sorted(path.glob(f"*/{FINAL}/config.json"), key=lambda p: p.stat().st_mtime)
+    finals = list_finals(path)
     if finals:
-        return finals[-1].parent
+        return finals[0]
     raise CheckpointError(f"{spec}: no model here (expected config.json, {FINAL}/, or RUN/{FINAL}/)")
 
 

@@ -30,7 +30,7 @@ from chat.engine import (
     InputError,
 )
 from chat.prompt import EMOTIONS, KINDS
-from finetune.checkpoint import FINAL, RESULTS_FILE
+from finetune.checkpoint import RESULTS_FILE, list_finals
 
 log = logging.getLogger(__name__)
 
@@ -345,9 +345,7 @@ def _checkpoint_label(final: Path) -> str:
 
 def finished_checkpoints(root: Path | str) -> list[Path]:
     """RUN/final folders under ``root`` that hold a complete model, newest first."""
-    found = [p.parent for p in Path(root).glob(f"*/{FINAL}/config.json")
-             if (p.parent / "model.safetensors").is_file() or (p.parent / "model.safetensors.index.json").is_file()]
-    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+    return list_finals(root)
 
 
 def model_choices(root: Path | str | None = None, base: str | None = None,

@@ -32,6 +32,13 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
+def list_finals(root: str | Path) -> list[Path]:
+    """``RUN/final/`` folders under ``root`` that hold a complete model, newest first."""
+    found = [p.parent for p in Path(root).glob(f"*/{FINAL}/config.json")
+             if (p.parent / "model.safetensors").is_file() or (p.parent / "model.safetensors.index.json").is_file()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def find_checkpoint(output_dir: str | Path, spec: str) -> Path:
     """Resolve ``--resume_from_checkpoint``: 'latest' in output_dir, or a checkpoint path."""
     if spec == "latest":
