@@ -39,12 +39,15 @@ class TrainConfig:
     val_max_target_length: int | None = _doc("Max generated length at evaluation (default: max_target_length).", default=None)
     val_min_target_length: int = _doc("Min generated length at evaluation.", default=20)
     pad_to_max_length: bool = _doc("Pad every batch to the max lengths (seed); default pads per batch.", default=False)
+    group_by_length: bool = _doc("Batch training rows of similar length together (less padding; order still shuffled).", default=True)
+    dataloader_num_workers: int | None = _doc("Batch-collating worker processes (default: 2 on GPUs, 0 on CPU).", default=None)
     # --- evaluation
     num_beams: int = _doc("Beams for evaluation generation.", default=10)
     no_repeat_ngram_size: int = _doc("Evaluation n-gram blocking in the output.", default=3)
     encoder_no_repeat_ngram_size: int = _doc("Evaluation blocking of n-grams copied from the input.", default=3)
     repetition_penalty: float = _doc("Evaluation repetition penalty.", default=1.2)
     n_val_batch_generations: int = _doc("Evaluation batches whose (prompt, prediction, reference) are logged.", default=5)
+    fast_ngram_blocking: bool = _doc("Tensorized n-gram blocking (same bans as transformers' per-hypothesis loop, far faster).", default=True)
     # --- optimisation
     per_device_train_batch_size: int = _doc("Micro-batch per process.", default=8)
     per_device_eval_batch_size: int = _doc("Evaluation batch per process.", default=8)
@@ -66,6 +69,7 @@ class TrainConfig:
     checkpointing_steps: int | None = _doc("Save full training state every N steps (and at each epoch end).", default=None)
     checkpoints_total_limit: int = _doc("Keep this many step checkpoints (older ones are deleted).", default=2)
     resume_from_checkpoint: str | None = _doc("'latest' or a checkpoint directory to continue from.", default=None)
+    save_model: bool = _doc("Save the final model to output_dir/final (off only for benchmarks and dry runs).", default=True)
     push_to_hub: bool = _doc("Upload the final model to the Hub.", default=False)
     hub_model_id: str | None = _doc("Hub repo 'user/name' for push_to_hub.", default=None)
     hub_private: bool = _doc("Create the Hub repo as private.", default=False)
@@ -92,6 +96,10 @@ class TrainConfig:
             raise ValueError("--learning_rate must be > 0")
         if self.report_to not in TRACKERS:
             raise ValueError(f"--report_to must be one of {', '.join(TRACKERS)}")
+        if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
+            raise ValueError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        if self.push_to_hub and not self.save_model:
+            raise ValueError("--push_to_hub needs the final model: drop --save_model false")
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id user/name")
         if self.hub_model_id and self.hub_model_id.count("/") != 1:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import torch
 from datasets import Dataset, DatasetDict, load_dataset
 
 from chat.prompt import build_source, fit_source, split_source
@@ -187,3 +188,42 @@ def tokenize(raw: DatasetDict, tokenizer, cfg) -> DatasetDict:
             remove_columns=raw[split].column_names, desc=f"tokenizing {split}",
         )
     return DatasetDict(out)
+
+
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """A shuffled order in which each run of ``batch_size`` rows has similar lengths.
+
+    With per-batch padding, a batch costs as much as its longest row; random batches of short
+    dialogues with a few long ones pay for the long ones everywhere. Each epoch: shuffle, cut
+    into mega-batches of ``mega`` batches, sort each by length, cut into batches and shuffle
+    the batches (the short last batch stays last, so the loader's cuts line up). The order
+    depends only on ``seed`` and the epoch (``set_epoch``), so a resumed run sees the same one.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, mega: int = 50):
+        self.lengths, self.batch_size, self.seed, self.mega = lengths, batch_size, seed, mega
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        size = self.batch_size * self.mega
+        order = [i for start in range(0, len(order), size)
+                 for i in sorted(order[start:start + size], key=lambda i: -self.lengths[i])]
+        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        last = batches.pop() if len(batches[-1]) < self.batch_size else None
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+        if last:
+            batches.append(last)
+        return iter([i for batch in batches for i in batch])
+
+
+def row_lengths(split: Dataset) -> list[int]:
+    """Source + label tokens of every tokenized row (what padding a batch depends on)."""
+    return [len(a) + len(b) for a, b in zip(split["input_ids"], split["labels"])]

@@ -9,6 +9,8 @@ import sacrebleu
 import torch
 from tqdm.auto import tqdm
 
+from chat.ngram import blocking_kwargs
+
 log = logging.getLogger(__name__)
 
 
@@ -35,8 +37,12 @@ def _decode(tokenizer, ids: torch.Tensor, keep_structure: bool = False) -> list[
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False) -> dict:
-    """Return eval_loss, eval_bleu, eval_seconds and (prompt, prediction, reference) samples."""
+def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False, should_stop=None) -> dict | None:
+    """Return eval_loss, eval_bleu, eval_seconds and (prompt, prediction, reference) samples.
+
+    ``should_stop`` (a callable) is polled before each batch, collectively so all ranks agree;
+    when it says stop, evaluation ends early and returns None.
+    """
     model.eval()
     start = time.perf_counter()
     generator = accelerator.unwrap_model(model)
@@ -44,11 +50,17 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
     pad = tokenizer.pad_token_id
     predictions, references, samples, losses = [], [], [], []
     for step, batch in enumerate(tqdm(dataloader, desc="evaluating", disable=not accelerator.is_local_main_process)):
+        if should_stop is not None:
+            flag = accelerator.reduce(torch.tensor([float(should_stop())], device=accelerator.device), "max")
+            if flag.item() > 0:
+                model.train()
+                return None
         loss = model(**batch).loss.detach().float()
         losses.append(accelerator.gather_for_metrics(loss.repeat(batch["input_ids"].shape[0])))
+        gen_kwargs = blocking_kwargs(kwargs, batch["input_ids"]) if cfg.fast_ngram_blocking else kwargs
         # ZeRO-3 shards the weights: every rank must take part in every generation step.
         generated = generator.generate(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], synced_gpus=zero3, **kwargs
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], synced_gpus=zero3, **gen_kwargs
         )
         generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad)
         labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)

@@ -31,7 +31,7 @@ from transformers import AutoConfig, DataCollatorForSeq2Seq, get_scheduler
 
 from finetune import checkpoint as ckpt
 from finetune.config import TrainConfig, parse_args
-from finetune.data import DataError, load_raw, tokenize
+from finetune.data import DataError, LengthGroupedSampler, load_raw, row_lengths, tokenize
 from finetune.evaluate import evaluate, generation_kwargs
 from finetune.hub import HubError, push, write_model_card
 from finetune.model import ModelLoadError, load_model, load_tokenizer, resolve
@@ -162,11 +162,19 @@ def train(cfg: TrainConfig) -> dict:
 
     pad_multiple = 8 if accelerator.mixed_precision != "no" else None
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
-    # The loader's own generator: creating its iterator must not draw from the global RNG, or a
-    # resumed run (which creates it after restoring RNG states) would see different dropout.
-    train_dl = DataLoader(data["train"], shuffle=True, collate_fn=collator, batch_size=cfg.per_device_train_batch_size,
+    # Collating hundreds of rows per step in Python would leave the GPU waiting: workers do it.
+    workers = cfg.dataloader_num_workers if cfg.dataloader_num_workers is not None else (2 if torch.cuda.is_available() else 0)
+    loader_kwargs = dict(collate_fn=collator, num_workers=workers, pin_memory=torch.cuda.is_available())
+    # Each loader gets its own generator: creating an iterator must not draw from the global RNG,
+    # or a resumed run (which creates it after restoring RNG states) would see different dropout.
+    if cfg.group_by_length and not cfg.pad_to_max_length:
+        order = dict(sampler=LengthGroupedSampler(row_lengths(data["train"]), cfg.per_device_train_batch_size, cfg.seed))
+    else:
+        order = dict(shuffle=True)
+    train_dl = DataLoader(data["train"], batch_size=cfg.per_device_train_batch_size, **order, **loader_kwargs,
                           generator=torch.Generator().manual_seed(cfg.seed))
-    eval_dl = DataLoader(data["validation"], collate_fn=collator, batch_size=cfg.per_device_eval_batch_size)
+    eval_dl = DataLoader(data["validation"], batch_size=cfg.per_device_eval_batch_size, **loader_kwargs,
+                         generator=torch.Generator().manual_seed(cfg.seed))
 
     # Steps per epoch as the prepared (sharded) loader will have them.
     batches = math.ceil(math.ceil(len(train_dl.dataset) / cfg.per_device_train_batch_size) / accelerator.num_processes)
@@ -186,6 +194,7 @@ def train(cfg: TrainConfig) -> dict:
         first_epoch, done_in_epoch = divmod(completed, steps_per_epoch)
         skip_batches = done_in_epoch * cfg.gradient_accumulation_steps
         log.info(f"resuming from {path} at step {completed}")
+    resumed_at = completed
 
     metrics = ckpt.MetricsWriter(cfg.output_dir, enabled=main)
     if cfg.with_tracking:
@@ -254,7 +263,8 @@ def train(cfg: TrainConfig) -> dict:
                     "add --num_warmup_steps, or use bf16 instead of fp16. Last good checkpoint: "
                     f"{(ckpt.list_checkpoints(cfg.output_dir) or ['none'])[-1]}"
                 )
-            if completed % cfg.logging_steps == 0 or completed == total_steps:
+            # The first step is logged too: it shows the run is alive (and when it got going).
+            if completed % cfg.logging_steps == 0 or completed == total_steps or completed == resumed_at + 1:
                 stats = torch.tensor([window_loss, window_n], device=accelerator.device)
                 stats = accelerator.reduce(stats, "sum")
                 elapsed = time.perf_counter() - window_start
@@ -282,7 +292,14 @@ def train(cfg: TrainConfig) -> dict:
         if stopped:
             break
         epoch_times.append(time.perf_counter() - epoch_start)
-        results = evaluate(accelerator, model, eval_dl, tokenizer, cfg, zero3=zero_stage == 3)
+        evaluated = evaluate(accelerator, model, eval_dl, tokenizer, cfg, zero3=zero_stage == 3, should_stop=stop)
+        if evaluated is None:  # stop requested mid-evaluation: keep the trained steps, skip this eval
+            checkpoint()
+            metrics.write("stopped", step=completed)
+            log.info(f"stop requested during evaluation: saved a checkpoint at step {completed}")
+            stopped = True
+            break
+        results = evaluated
         eval_times.append(results["eval_seconds"])
         for sample in results["samples"][:5]:  # all of them go to metrics.jsonl
             log.info(f"prompt: {sample['prompt']!r} | prediction: {sample['prediction']!r} | reference: {sample['reference']!r}")
@@ -304,11 +321,12 @@ def train(cfg: TrainConfig) -> dict:
     summary = dict(eval_bleu=results["eval_bleu"], eval_loss=results["eval_loss"], eval_samples=results["eval_samples"],
                    train_samples=len(data["train"]), total_steps=completed, train_epoch_seconds=epoch_times,
                    eval_epoch_seconds=eval_times, num_processes=accelerator.num_processes, zero_stage=zero_stage)
-    final = save_final(accelerator, model, tokenizer, cfg, summary)
+    final = save_final(accelerator, model, tokenizer, cfg, summary) if cfg.save_model else None
     if main:
         (Path(cfg.output_dir) / ckpt.RESULTS_FILE).write_text(json.dumps(summary, indent=2))
-        metrics.write("done", step=completed, final=str(final), eval_bleu=summary["eval_bleu"])
-        log.info(f"final model in {final} (BLEU {summary['eval_bleu']:.2f})")
+        metrics.write("done", step=completed, final=str(final) if final else None, eval_bleu=summary["eval_bleu"])
+        log.info(f"final model in {final} (BLEU {summary['eval_bleu']:.2f})" if final
+                 else f"done, final model not saved (--save_model false); BLEU {summary['eval_bleu']:.2f}")
     accelerator.end_training()
     if cfg.push_to_hub and main:
         try:

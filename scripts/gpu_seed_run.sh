@@ -16,7 +16,7 @@ COMMON=(--model_name_or_path random-400M --train_file "$RUN_DIR/data/train.jsonl
   --n_train 10000 --n_val 1000 --pad_to_max_length --num_beams 10 --learning_rate 1e-6 --weight_decay 0.0
   --num_train_epochs 1 --gradient_accumulation_steps 1 --num_warmup_steps 100 --seed 25 --logging_steps 5
   --with_tracking --report_to tensorboard --report_name blenderbot_400M_finetuning)
-accelerate launch --config_file configs/accelerate/zero2.yaml --num_processes "$NGPU" --mixed_precision fp16 \
+accelerate launch --config_file configs/accelerate/zero2_seed.yaml --num_processes "$NGPU" --mixed_precision fp16 \
   -m finetune "${COMMON[@]}" --per_device_train_batch_size 200 --per_device_eval_batch_size 100 --output_dir "$RUN_DIR/zero2"
 accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes "$NGPU" --mixed_precision fp16 \
   -m finetune "${COMMON[@]}" --per_device_train_batch_size 100 --per_device_eval_batch_size 50 --output_dir "$RUN_DIR/ddp"

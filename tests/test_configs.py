@@ -59,8 +59,8 @@ def test_every_config_file_is_of_a_known_kind():
 
 
 def test_the_shipped_configs_are_discovered():
-    assert {"ds_zero2.json", "ds_zero3_offload.json"} <= {p.name for p in DS_JSONS}
-    assert {"cpu_zero2.yaml", "ddp.yaml", "two_machines.yaml", "zero2.yaml", "zero3_offload.yaml"} <= {
+    assert {"ds_zero2.json", "ds_zero2_seed.json", "ds_zero3_offload.json"} <= {p.name for p in DS_JSONS}
+    assert {"cpu_zero2.yaml", "ddp.yaml", "two_machines.yaml", "zero2.yaml", "zero2_seed.yaml", "zero3_offload.yaml"} <= {
         p.name for p in ACCELERATE_YAMLS}
 
 
@@ -112,8 +112,8 @@ def test_accelerate_builds_a_deepspeed_plugin_from_the_json(path, monkeypatch):
     assert not is_deepspeed_zero3_enabled()  # no global DeepSpeed state leaks into other tests
 
 
-def test_zero2_keeps_the_seed_values():
-    cfg = load_json(CONFIGS / "ds_zero2.json")
+def test_zero2_seed_keeps_the_seed_values():
+    cfg = load_json(CONFIGS / "ds_zero2_seed.json")
     assert cfg["fp16"] == {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 15,
                            "hysteresis": 2, "min_loss_scale": 1}
     assert cfg["optimizer"]["type"] == "AdamW"
@@ -124,6 +124,18 @@ def test_zero2_keeps_the_seed_values():
     assert zero["allgather_bucket_size"] == 2e8 and zero["reduce_bucket_size"] == 2e8
     for flag in ("overlap_comm", "reduce_scatter", "contiguous_gradients", "allgather_partitions"):
         assert zero[flag] is True, flag
+
+
+def test_zero2_default_is_the_tuned_recipe():
+    # The optimizer and schedule come from the training script (fused torch AdamW), so the JSON
+    # must not define them; ZeRO-2 with overlap and larger buckets than the seed's.
+    cfg = load_json(CONFIGS / "ds_zero2.json")
+    assert "optimizer" not in cfg and "scheduler" not in cfg
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 2 and zero["overlap_comm"] is True
+    assert zero["reduce_bucket_size"] >= 2e8
+    seed_yaml = yaml.safe_load((CONFIGS / "accelerate" / "zero2_seed.yaml").read_text())
+    assert seed_yaml["deepspeed_config"]["deepspeed_config_file"] == "configs/ds_zero2_seed.json"
 
 
 def test_zero3_offloads_to_cpu():

@@ -1,0 +1,96 @@
+"""N-gram blocking for generate() as whole-tensor operations.
+
+The seed's evaluation and the ``faithful`` chat preset block repeated n-grams in the reply
+(``no_repeat_ngram_size``) and n-grams copied from the input (``encoder_no_repeat_ngram_size``).
+transformers implements the encoder rule as a Python loop over every hypothesis with a
+``.tolist()`` per hypothesis per step: with beam 10 over an evaluation batch that is thousands of
+GPU round-trips per generated token, and it dominated evaluation time on H200s. (Older
+transformers releases loop for the decoder rule too.) These processors ban exactly the same
+tokens (tests compare them with transformers' own on random inputs) using a few tensor ops.
+
+``blocking_kwargs`` turns generate() keyword arguments that use the two rules into ones that
+use these processors instead; everything else is passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+
+def _ban(scores: torch.Tensor, matches: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """-inf at ``candidates[h, w]`` for every window ``w`` that ``matches`` for hypothesis ``h``."""
+    vocab = scores.shape[-1]
+    # Non-matching windows (and ids past the scores' width) go to a spare column that is dropped.
+    banned = torch.zeros((scores.shape[0], vocab + 1), dtype=torch.bool, device=scores.device)
+    banned.scatter_(1, torch.where(matches, candidates.clamp(max=vocab), vocab), True)
+    return scores.masked_fill(banned[:, :vocab], -float("inf"))
+
+
+class NoRepeatNGram(LogitsProcessor):
+    """No n-gram of size ``n`` occurs twice in the generated sequence."""
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"n-gram size must be >= 1, got {n}")
+        self.n = n
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        length = input_ids.shape[1]
+        if length < self.n:
+            return scores
+        windows = input_ids.unfold(1, self.n, 1)  # (hyps, length - n + 1, n)
+        tail = input_ids[:, length - self.n + 1:]  # the n-1 tokens the next one would extend
+        matches = (windows[..., :-1] == tail[:, None, :]).all(-1)
+        return _ban(scores, matches, windows[..., -1])
+
+
+class EncoderNoRepeatNGram(LogitsProcessor):
+    """No n-gram of size ``n`` from the encoder input is repeated in the output."""
+
+    def __init__(self, n: int, encoder_input_ids: torch.LongTensor):
+        if n < 1:
+            raise ValueError(f"n-gram size must be >= 1, got {n}")
+        if encoder_input_ids.dim() == 1:
+            encoder_input_ids = encoder_input_ids[None]
+        self.n = n
+        self.batch = encoder_input_ids.shape[0]
+        self.windows = encoder_input_ids.unfold(1, n, 1) if encoder_input_ids.shape[1] >= n else None
+        self._expanded: tuple[int, torch.Tensor] | None = None  # windows repeated per beam, made once
+
+    def _per_hypothesis(self, hyps: int) -> torch.Tensor:
+        if self._expanded is None or self._expanded[0] != hyps:
+            if hyps % self.batch:
+                raise ValueError(f"{hyps} hypotheses do not divide into {self.batch} inputs")
+            # generate() lays hypotheses out input by input: input b owns rows b*beams ... b*beams+beams-1.
+            self._expanded = (hyps, self.windows.repeat_interleave(hyps // self.batch, dim=0))
+        return self._expanded[1]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        length = input_ids.shape[1]
+        if self.windows is None or length < self.n - 1:
+            return scores
+        windows = self._per_hypothesis(input_ids.shape[0]).to(input_ids.device)
+        tail = input_ids[:, length - self.n + 1:]
+        matches = (windows[..., :-1] == tail[:, None, :]).all(-1)
+        return _ban(scores, matches, windows[..., -1])
+
+
+def blocking_kwargs(kwargs: dict, input_ids: torch.LongTensor) -> dict:
+    """generate() kwargs with the n-gram rules done by the processors above.
+
+    The sizes are set to 0 (not dropped) so that a model's own generation_config, which for
+    BlenderBot sets both to 3, cannot switch transformers' slow versions back on.
+    """
+    out = dict(kwargs)
+    processors = LogitsProcessorList(out.pop("logits_processor", None) or [])
+    size = out.get("no_repeat_ngram_size") or 0
+    encoder_size = out.get("encoder_no_repeat_ngram_size") or 0
+    if size > 0:
+        processors.append(NoRepeatNGram(size))
+    if encoder_size > 0:
+        processors.append(EncoderNoRepeatNGram(encoder_size, input_ids))
+    out.update(no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0)
+    if processors:
+        out["logits_processor"] = processors
+    return out

@@ -1,0 +1,78 @@
+"""chat/ngram.py bans exactly what transformers' own n-gram processors ban, and generate() with
+``blocking_kwargs`` returns the same sequences as with the built-in processors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+)
+
+from chat.ngram import EncoderNoRepeatNGram, NoRepeatNGram, blocking_kwargs
+from finetune.model import load_model
+
+
+def _ids(draw_seed: int, shape: tuple[int, int], vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(draw_seed)
+    return torch.randint(0, vocab, shape, generator=g)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 4), hyps=st.integers(1, 6), length=st.integers(1, 14), vocab=st.integers(2, 6),
+       seed=st.integers(0, 10_000))
+def test_decoder_blocking_matches_transformers(n, hyps, length, vocab, seed):
+    # A tiny vocabulary makes repeated n-grams (the interesting case) common.
+    input_ids = _ids(seed, (hyps, length), vocab)
+    scores = torch.randn(hyps, vocab + 2, generator=torch.Generator().manual_seed(seed + 1))
+    expected = NoRepeatNGramLogitsProcessor(n)(input_ids, scores.clone())
+    assert torch.equal(NoRepeatNGram(n)(input_ids, scores.clone()), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 4), batch=st.integers(1, 3), beams=st.integers(1, 4), src=st.integers(1, 12),
+       length=st.integers(1, 10), vocab=st.integers(2, 6), seed=st.integers(0, 10_000))
+def test_encoder_blocking_matches_transformers(n, batch, beams, src, length, vocab, seed):
+    encoder_ids = _ids(seed, (batch, src), vocab)
+    input_ids = _ids(seed + 1, (batch * beams, length), vocab)
+    scores = torch.randn(batch * beams, vocab, generator=torch.Generator().manual_seed(seed + 2))
+    expected = EncoderNoRepeatNGramLogitsProcessor(n, encoder_ids)(input_ids, scores.clone())
+    assert torch.equal(EncoderNoRepeatNGram(n, encoder_ids)(input_ids, scores.clone()), expected)
+
+
+def test_encoder_blocking_bans_the_copied_continuation():
+    encoder = torch.tensor([[5, 6, 7, 8]])
+    out = EncoderNoRepeatNGram(3, encoder)(torch.tensor([[1, 5, 6]]), torch.zeros(1, 10))
+    assert out[0, 7] == -float("inf")
+    assert torch.isfinite(out[0, [0, 1, 2, 3, 4, 5, 6, 8, 9]]).all()
+
+
+def test_blocking_kwargs_rewrites_only_the_ngram_rules():
+    ids = torch.tensor([[1, 2, 3]])
+    out = blocking_kwargs({"num_beams": 4, "no_repeat_ngram_size": 3, "encoder_no_repeat_ngram_size": 2}, ids)
+    assert out["num_beams"] == 4
+    assert out["no_repeat_ngram_size"] == 0 and out["encoder_no_repeat_ngram_size"] == 0
+    assert [type(p) for p in out["logits_processor"]] == [NoRepeatNGram, EncoderNoRepeatNGram]
+    plain = blocking_kwargs({"num_beams": 1}, ids)
+    assert "logits_processor" not in plain and plain["no_repeat_ngram_size"] == 0
+    with pytest.raises(ValueError):
+        NoRepeatNGram(0)
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_generate_gives_the_same_sequences(tiny_path, num_beams):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model = load_model(tiny_path).eval()
+    batch = tokenizer(["chatbot: hello there, how are you?", "chatbot: your persona: i like jazz. </s>  <s> hi"],
+                      return_tensors="pt", padding=True)
+    # Sampling-free settings in the seed's style, long enough for repeats to be blocked.
+    kwargs = dict(num_beams=num_beams, max_length=40, min_length=30, no_repeat_ngram_size=2,
+                  encoder_no_repeat_ngram_size=2, repetition_penalty=1.2, do_sample=False)
+    torch.manual_seed(0)
+    expected = model.generate(**batch, **kwargs)
+    got = model.generate(**batch, **blocking_kwargs(kwargs, batch["input_ids"]))
+    assert torch.equal(got, expected)
