@@ -92,10 +92,14 @@ class RunBusyError(RuntimeError):
 # --------------------------------------------------------------------------- paths
 
 
+def data_root() -> Path:
+    """Where the app keeps validated uploads (PERSONA_CHAT_DATA, read at call time); an allowed root."""
+    return Path(os.environ.get("PERSONA_CHAT_DATA", DATA_ROOT)).expanduser().resolve()
+
+
 def allowed_roots() -> list[Path]:
     """Folders a local model or dataset path may resolve into (read at call time)."""
-    roots = [Path(os.environ.get("PERSONA_CHAT_RUNS", RUNS_ROOT)),
-             Path(os.environ.get("PERSONA_CHAT_DATA", DATA_ROOT)), SAMPLE_DIR, *_MANAGER_ROOTS]
+    roots = [Path(os.environ.get("PERSONA_CHAT_RUNS", RUNS_ROOT)), data_root(), SAMPLE_DIR, *_MANAGER_ROOTS]
     out = []
     for root in roots:
         resolved = root.expanduser().resolve()
@@ -662,6 +666,7 @@ class RunStatus:
     samples: list[dict] = field(default_factory=list)  # prompt / prediction / reference
     command: str = ""
     has_checkpoint: bool = False  # resume() is possible once stopped or failed
+    pushed_url: str | None = None  # where the final model was last pushed (by the CLI or push())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -716,9 +721,13 @@ def _status_of(run_dir: Path) -> RunStatus:
     elif terminal and terminal["event"] == "done":
         status.state, status.progress, status.eta_seconds = "finished", 1.0, 0.0
         status.eval_bleu = terminal.get("eval_bleu", status.eval_bleu)
-        # training finished; a later error is the Hub push failing (the model is kept)
-        later = [e for e in current[current.index(terminal) + 1:] if e.get("event") == "error"]
-        status.error = later[-1].get("message") if later else None
+        # training finished; a later error is the Hub push failing (the model is kept), until a
+        # later push succeeds
+        for e in current[current.index(terminal) + 1:]:
+            if e.get("event") == "error":
+                status.error = e.get("message")
+            elif e.get("event") == "pushed":
+                status.error, status.pushed_url = None, e.get("url")
         final = run_dir / ckpt.FINAL
         status.final_dir = str(final) if final.is_dir() else None
     elif terminal and terminal["event"] == "stopped":
@@ -945,4 +954,7 @@ class RunManager:
             raise ValueError(f"Hub repo id must look like 'user/name', got {repo_id!r}")
         from finetune.hub import push
 
-        return push(final, repo_id, private=private)
+        url = push(final, repo_id, private=private)
+        # recorded like the CLI's own push, so every viewer (and a restarted app) sees it
+        ckpt.MetricsWriter(run_dir, enabled=True).write("pushed", repo=repo_id, url=url)
+        return url

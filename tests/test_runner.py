@@ -394,7 +394,8 @@ def test_real_run_finishes(finished_run, runs_root):
     assert info["spec"]["n_train"] == 200 and info["argv"][:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert info["pid"] == info["pgid"] and info["exit_code"] == 0
     assert status.step == status.total_steps == 13 and status.progress == 1.0  # 200 rows / (8 x 2 processes)
-    assert [p["step"] for p in status.loss_points] == [10, 13] and all(p["loss"] > 0 for p in status.loss_points)
+    # the CLI logs the first step too (it shows the run is alive), then every 10 steps and the last one
+    assert [p["step"] for p in status.loss_points] == [1, 10, 13] and all(p["loss"] > 0 for p in status.loss_points)
     assert status.bleu_points == [{"step": 13, "bleu": status.eval_bleu}] and status.eval_bleu is not None
     assert status.samples and set(status.samples[0]) >= {"prompt", "prediction", "reference"}
     assert status.samples_per_second > 0 and status.gpu_mem_gib is None and status.error is None
