@@ -1,0 +1,381 @@
+"""The Train tab's logic and the login rules (chat/train_ui.py, chat/auth.py), without a browser.
+
+Real RunManager, real files; runs that would launch are refused before launching (no login) or
+are the fake-process kind of tests/test_runner.py. Real training through the app is in
+tests/test_app_train.py and tests/test_browser.py."""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+import pytest
+
+from chat import auth, train_ui
+from chat.auth import AuthConfig, AuthError, Session
+from chat.engine import DEFAULT_MODEL
+from finetune import checkpoint as ckpt
+from finetune import runner
+from finetune.runner import RunManager, RunSpec, RunStatus
+
+PASSWORD = "correct horse battery staple"
+
+
+@pytest.fixture(autouse=True)
+def fast_failed_logins(monkeypatch):
+    monkeypatch.setattr(auth, "FAILED_LOGIN_DELAY", 0.0)
+
+
+@pytest.fixture
+def tab(tmp_path, monkeypatch):
+    """A Train tab on its own runs root, data root and incoming folder, password configured."""
+    data = tmp_path / "uploads"
+    monkeypatch.setenv("PERSONA_CHAT_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("PERSONA_CHAT_DATA", str(data))
+    (tmp_path / "incoming").mkdir()
+    return train_ui.TrainTab(manager=RunManager(tmp_path / "runs"), auth=AuthConfig(password=PASSWORD), gpus=0,
+                             data_root=data, incoming=tmp_path / "incoming")
+
+
+def hf_profile(username: str) -> gr.OAuthProfile:
+    """What gradio injects for a signed-in Hugging Face user (built from the OpenID userinfo)."""
+    return gr.OAuthProfile({"preferred_username": username, "name": username.title(), "picture": "",
+                            "profile": f"https://huggingface.co/{username}"})
+
+
+def logged_in() -> Session:
+    return Session(password_ok=True)
+
+
+def form(tab, **changes) -> list:
+    values = {**train_ui.default_form(tab), **changes}
+    return [values[name] for name in train_ui.FORM_FIELDS]
+
+
+def write_rows(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"texts": f"context: happy  <s> hello number {i}", "labels": f"hi {i}!"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+# --------------------------------------------------------------------------- auth
+
+
+def test_auth_config_from_env():
+    none = AuthConfig.from_env({})
+    assert not none.enabled and none.problem is None
+    with_password = AuthConfig.from_env({"TRAIN_PASSWORD": PASSWORD})
+    assert with_password.enabled and not with_password.oauth
+    assert PASSWORD not in repr(with_password) and PASSWORD not in str(with_password)
+    # OAuth outside a Space would be gradio's mock (anyone becomes the machine's HF user): ignored.
+    local = AuthConfig.from_env({"TRAIN_USERS": "alice, Bob"})
+    assert not local.enabled and not local.oauth and "only works on a Space" in local.problem
+    space = {"SYSTEM": "spaces", "SPACE_ID": "me/chat-e", "TRAIN_USERS": "alice, Bob"}
+    assert "hf_oauth: true" in AuthConfig.from_env(space).problem
+    oauth = AuthConfig.from_env({**space, "OAUTH_CLIENT_ID": "id"})
+    assert oauth.enabled and oauth.oauth and oauth.users == {"alice", "bob"} and oauth.problem is None
+
+
+def test_require_refuses_everyone_when_nothing_is_configured():
+    config = AuthConfig()
+    for session in (None, Session(), logged_in()):  # a logged-in flag cannot help: there is no login
+        with pytest.raises(AuthError, match="no login is configured"):
+            auth.require(config, session, {"preferred_username": "alice"}, "start a run")
+
+
+def test_require_password_session():
+    config = AuthConfig(password=PASSWORD)
+    with pytest.raises(AuthError, match=r"log in first \(Train tab: enter the password\)"):
+        auth.require(config, Session(), None, "start a run")
+    assert auth.require(config, logged_in(), None, "start a run") == "password"
+    # a Hugging Face profile means nothing when OAuth is not configured
+    with pytest.raises(AuthError, match="log in first"):
+        auth.require(config, None, {"preferred_username": "alice"}, "start a run")
+
+
+def test_require_oauth_users():
+    config = AuthConfig(users=frozenset({"alice"}), oauth=True)
+    assert auth.require(config, None, hf_profile("Alice"), "x") == "@Alice"
+    with pytest.raises(AuthError, match="@mallory is not in TRAIN_USERS"):
+        auth.require(config, None, hf_profile("mallory"), "x")
+    with pytest.raises(AuthError, match="sign in with Hugging Face"):
+        auth.require(config, Session(), None, "x")
+    # no password configured: a session flag (however it got there) does not log anyone in
+    with pytest.raises(AuthError, match="log in first"):
+        auth.require(config, logged_in(), None, "x")
+
+
+def test_login_checks_the_password_and_never_logs_it(caplog):
+    config = AuthConfig(password=PASSWORD)
+    caplog.set_level(logging.DEBUG)
+    for wrong in ("", None, "correct horse", PASSWORD + " ", 42, "x" * 5000):
+        with pytest.raises(AuthError, match="Wrong password"):
+            auth.login(config, Session(), wrong)
+    session, message = auth.login(config, Session(), PASSWORD)
+    assert session == logged_in() and "Logged in" in message
+    assert auth.logout(session)[0] == Session()
+    assert PASSWORD not in caplog.text and "login failed" in caplog.text
+    with pytest.raises(AuthError, match="not configured"):
+        auth.login(AuthConfig(), Session(), PASSWORD)
+
+
+def test_auth_status_markdown():
+    assert "TRAIN_PASSWORD" in auth.status_markdown(AuthConfig(), None)
+    assert "Training from this tab is off" in auth.status_markdown(AuthConfig(), None)
+    config = AuthConfig(password=PASSWORD)
+    assert "Log in" in auth.status_markdown(config, Session())
+    assert "Logged in" in auth.status_markdown(config, logged_in())
+    oauth = AuthConfig(users=frozenset({"alice"}), oauth=True)
+    assert "@alice" in auth.status_markdown(oauth, None, hf_profile("alice"))
+
+
+# --------------------------------------------------------------------------- the form
+
+
+def test_default_form_is_a_valid_tiny_cpu_run(tab):
+    values = train_ui.default_form(tab)
+    assert values["model"] == "tiny" and values["num_gpus"] == 0 and values["learning_rate"] == 1e-3
+    spec = train_ui.spec_from_form(tab, train_ui.form_values(form(tab)), None)
+    assert spec == RunSpec(model="tiny", dataset="sample")
+    gpu_tab = train_ui.TrainTab(manager=tab.manager, auth=tab.auth, gpus=2)
+    assert train_ui.default_form(gpu_tab)["model"] == DEFAULT_MODEL
+    assert train_ui.default_form(gpu_tab)["learning_rate"] == train_ui.LARGE_MODEL_LR
+
+
+def test_spec_from_form_maps_every_field(tab):
+    values = train_ui.form_values(form(
+        tab, data_source="hub", hub_dataset="smangrul/MuDoConv", n_train=100.0, n_val=0, epochs=2.0,
+        learning_rate=3e-4, train_batch_size=4, eval_batch_size=8, max_source_length=64, max_target_length=16,
+        source_prefix="", checkpointing_steps=5, logging_steps=2, num_beams=1, push_to_hub=True,
+        hub_model_id=" me/chat ", hub_private=True))
+    spec = train_ui.spec_from_form(tab, values, None)
+    assert spec == RunSpec(model="tiny", dataset="smangrul/MuDoConv", n_train=100, n_val=None, epochs=2,
+                           learning_rate=3e-4, train_batch_size=4, eval_batch_size=8, max_source_length=64,
+                           max_target_length=16, source_prefix="", checkpointing_steps=5, logging_steps=2,
+                           num_beams=1, push_to_hub=True, hub_model_id="me/chat", hub_private=True)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"data_source": "ftp"}, "data source must be one of"),
+    ({"data_source": "upload"}, "upload a training file first"),
+    ({"data_source": "hub", "hub_dataset": " "}, "type a Hub dataset id"),
+    ({"data_source": "hub", "hub_dataset": "/etc/passwd"}, "outside the allowed folders"),
+    ({"data_source": "hub", "hub_dataset": "../../etc"}, "outside the allowed folders"),
+    ({"model": "/etc"}, "outside the allowed folders"),
+    ({"model": ""}, "model is required"),
+    ({"model": DEFAULT_MODEL}, "needs a GPU .* only the `tiny` model"),
+    ({"model": "random-400M"}, "needs a GPU"),
+    ({"num_gpus": 1}, r"1 GPU\(s\) asked for, 0 visible"),
+    ({"strategy": "ddp"}, "needs GPUs"),
+    ({"precision": "fp16"}, "needs GPUs"),
+    ({"epochs": 0}, "epochs must be >= 1"),
+    ({"epochs": 1.5}, "whole number"),
+    ({"learning_rate": None}, "learning_rate must be a number"),
+    ({"push_to_hub": True}, "push to Hub needs a Hub model id"),
+    ({"hub_model_id": "not a repo"}, "user/name"),
+])
+def test_spec_from_form_refuses_with_a_clear_message(tab, changes, message):
+    with pytest.raises(ValueError, match=message):
+        train_ui.spec_from_form(tab, train_ui.form_values(form(tab, **changes)), None)
+
+
+def test_form_values_needs_every_field():
+    with pytest.raises(ValueError, match="the form has"):
+        train_ui.form_values([1, 2])
+
+
+def test_show_command_is_the_runners_command_and_needs_no_login(tab):
+    values = form(tab, n_train=50, epochs=1)
+    shown = train_ui.show_command(tab, None, values)
+    spec = train_ui.spec_from_form(tab, train_ui.form_values(values), None)
+    expected = tab.manager.command_preview(spec)
+    port = "--main_process_port"
+    strip = lambda text: [w for w in text.split() if not w.isdigit()]  # noqa: E731 - the port is fresh each time
+    assert strip(shown.splitlines()[-1]) == strip(expected) and port in shown
+    assert "-m finetune --model_name_or_path tiny --dataset_name sample --n_train 50" in shown
+    with pytest.raises(gr.Error, match="upload a training file first"):
+        train_ui.show_command(tab, None, form(tab, data_source="upload"))
+
+
+def test_model_choices_list_finished_runs(tab):
+    assert [v for _, v in train_ui.model_choices(tab)] == ["tiny", DEFAULT_MODEL]
+    final = tab.manager.root / "20250101-000000-abcdef" / "final"
+    final.mkdir(parents=True)
+    (final.parent / "run.json").write_text("{}")
+    (final / "config.json").write_text("{}")
+    assert [v for _, v in train_ui.model_choices(tab)][-1] == str(final)
+    # a finished run is a valid base model on the CPU
+    assert train_ui.spec_from_form(tab, train_ui.form_values(form(tab, model=str(final))), None).model == str(final)
+
+
+# --------------------------------------------------------------------------- uploads
+
+
+def test_upload_needs_a_login_and_is_validated_then_copied(tab):
+    upload = write_rows(tab.incoming / "my data.jsonl", 12)
+    with pytest.raises(gr.Error, match="log in first"):
+        train_ui.accept_upload(tab, Session(), None, None, "train", str(upload), "chatbot: ")
+    assert not tab.data_root.exists()  # nothing copied for an anonymous caller
+
+    uploads, preview = train_ui.accept_upload(tab, logged_in(), None, None, "train", str(upload), "chatbot: ")
+    copy = Path(uploads.train)
+    assert copy.is_relative_to(tab.data_root.resolve()) and copy.name == "train.jsonl"
+    assert copy.read_bytes() == upload.read_bytes() and uploads.names == {"train": "my data.jsonl"}
+    assert "**my data.jsonl**: 12 rows" in preview
+    assert "```text\nchatbot: context: happy  <s> hello number 0\n```" in preview
+    # the upload is now the run's data: the last 10% becomes the validation split
+    spec = train_ui.spec_from_form(tab, train_ui.form_values(form(tab, data_source="upload")), uploads)
+    assert spec.dataset == str(copy) and spec.holds_out_validation
+
+    val = write_rows(tab.incoming / "val.csv", 0)
+    val.write_text("texts,labels\ncontext: sad  <s> hi,hello\n")
+    uploads, _ = train_ui.accept_upload(tab, logged_in(), None, uploads, "validation", str(val), "")
+    spec = train_ui.spec_from_form(tab, train_ui.form_values(form(tab, data_source="upload")), uploads)
+    assert spec.validation_file == uploads.validation and uploads.validation.endswith("validation.csv")
+    cleared, preview = train_ui.accept_upload(tab, Session(), None, uploads, "validation", None, "")
+    assert cleared.validation is None and cleared.train == uploads.train and preview == ""
+
+
+def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
+    session = logged_in()
+    bad = tab.incoming / "bad.jsonl"
+    bad.write_text(json.dumps({"texts": "x", "labels": "y"}) + "\n" + json.dumps({"texts": "x", "labels": " "}) + "\n")
+    with pytest.raises(gr.Error, match=r"bad\.jsonl: row 2: column 'labels' is empty"):
+        train_ui.accept_upload(tab, session, None, None, "train", str(bad), "")
+    text = tab.incoming / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(gr.Error, match="unsupported file type"):
+        train_ui.accept_upload(tab, session, None, None, "train", str(text), "")
+    outside = write_rows(tmp_path / "elsewhere.jsonl", 3)  # not in gradio's upload folder
+    with pytest.raises(gr.Error, match="not uploaded through this app"):
+        train_ui.accept_upload(tab, session, None, None, "train", str(outside), "")
+    with pytest.raises(gr.Error, match="not uploaded through this app"):
+        train_ui.accept_upload(tab, session, None, None, "train", str(tab.incoming / ".." / "elsewhere.jsonl"), "")
+    big = write_rows(tab.incoming / "big.jsonl", 200)
+    monkeypatch.setattr(runner, "MAX_UPLOAD_BYTES", 1000)
+    with pytest.raises(gr.Error, match="the limit is"):
+        train_ui.accept_upload(tab, session, None, None, "train", str(big), "")
+    assert not tab.data_root.exists()
+    with pytest.raises(ValueError, match="unknown upload"):
+        train_ui.accept_upload(tab, session, None, None, "test", str(big), "")
+
+
+# --------------------------------------------------------------------------- actions
+
+
+@pytest.mark.parametrize("config, session, message", [
+    (AuthConfig(), logged_in(), "no login is configured"),
+    (AuthConfig(password=PASSWORD), Session(), "log in first"),
+    (AuthConfig(password=PASSWORD), None, "log in first"),
+])
+def test_actions_are_refused_without_a_login(tab, config, session, message):
+    tab.auth = config
+    actions = [lambda: train_ui.start_run(tab, session, None, None, form(tab)),
+               lambda: train_ui.stop_run(tab, session, None),
+               lambda: train_ui.resume_run(tab, session, None),
+               lambda: train_ui.push_run(tab, session, None, "me/chat", False)]
+    for action in actions:
+        with pytest.raises(gr.Error, match=message):
+            action()
+    assert tab.manager.runs() == []
+
+
+def test_actions_explain_what_is_not_possible(tab):
+    session = logged_in()
+    with pytest.raises(gr.Error, match="no run is running"):
+        train_ui.stop_run(tab, session, None)
+    with pytest.raises(gr.Error, match="no run to resume"):
+        train_ui.resume_run(tab, session, None)
+    with pytest.raises(gr.Error, match="only a finished run can be pushed"):
+        train_ui.push_run(tab, session, None, "me/chat", False)
+    with pytest.raises(gr.Error, match="needs a GPU"):
+        train_ui.start_run(tab, session, None, None, form(tab, model=DEFAULT_MODEL))
+    assert tab.manager.runs() == []
+
+
+# --------------------------------------------------------------------------- live view
+
+
+def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
+    """A finished run's directory as the CLI leaves it (metrics written by the CLI's own writer)."""
+    run_dir = tab.manager.root / run_id
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "final" / "config.json").write_text("{}")
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "spec": RunSpec().to_dict(),
+                                                  "argv": ["python", "-m", "finetune"], "metrics_offset": 0}))
+    (run_dir / "train.log").write_text("line 1\nfinal model in final\n")
+    metrics = ckpt.MetricsWriter(run_dir, enabled=True)
+    metrics.write("start", total_steps=4, resumed_at=0)
+    for step, loss in ((1, 7.5), (2, 7.0), (4, 6.5)):
+        metrics.write("log", step=step, loss=loss, samples_per_second=120.0)
+    metrics.write("eval", step=4, eval_bleu=3.25, eval_loss=6.4,
+                  samples=[{"prompt": "chatbot: hi", "prediction": "hello", "reference": "hey"}] * 7)
+    metrics.write("done", step=4, eval_bleu=3.25)
+    return run_dir
+
+
+def test_live_view_sends_only_changes(tab):
+    calls = []
+    makers = (lambda: calls.append("train") or "train-models", lambda: calls.append("chat") or "chat-models")
+    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_ui.live_view(tab, None, makers)
+    assert run.startswith("💤 No run yet") and list(loss.columns) == ["step", "loss"] and loss.empty
+    assert log_tail == "" and (train_models, chat_models) == ("train-models", "chat-models")
+
+    cache, *again = train_ui.live_view(tab, cache, makers)
+    assert all(value == gr.skip() for value in again) and calls == ["train", "chat"]
+
+    run_dir = fake_finished_run(tab)
+    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_ui.live_view(tab, cache, makers)
+    assert "**Run 20250101-000000-abcdef**: finished" in run and "step 4 / 4 (100%)" in run and "BLEU 3.25" in run
+    assert f"`{run_dir / 'final'}`" in run and "Model** list" in run
+    pd.testing.assert_frame_equal(loss, pd.DataFrame({"step": [1, 2, 4], "loss": [7.5, 7.0, 6.5]}))
+    assert bleu.to_dict("records") == [{"step": 4, "bleu": 3.25}]
+    assert len(samples) == train_ui.SAMPLES_SHOWN and samples.iloc[0].to_dict() == {
+        "prompt": "chatbot: hi", "prediction": "hello", "reference": "hey"}
+    assert log_tail.endswith("final model in final") and calls == ["train", "chat"] * 2
+    cache, *again = train_ui.live_view(tab, cache, makers)
+    assert all(value == gr.skip() for value in again)
+
+
+def test_run_markdown_states():
+    running = RunStatus(run_id="r", state="running", step=5, total_steps=20, progress=0.25, eta_seconds=75,
+                        samples_per_second=12.34, gpu_mem_gib=3.21)
+    text = train_ui.run_markdown(running)
+    assert "running" in text and "step 5 / 20 (25%)" in text and "ETA 1 min 15 s" in text
+    assert "12.3 samples/s" in text and "GPU memory 3.2 GiB" in text
+    assert "starting: loading" in train_ui.run_markdown(RunStatus(run_id="r", state="running"))
+    failed = train_ui.run_markdown(RunStatus(run_id="r", state="failed", error="CUDA out of memory", has_checkpoint=True))
+    assert "**Error:** CUDA out of memory" in failed and "**Resume**" in failed
+    pushed = train_ui.run_markdown(RunStatus(run_id="r", state="finished", pushed_url="https://hf.co/me/chat"))
+    assert "Pushed to https://hf.co/me/chat" in pushed
+
+
+def test_pushed_event_shows_and_clears_an_earlier_push_error(tab):
+    run_dir = fake_finished_run(tab)
+    metrics = ckpt.MetricsWriter(run_dir, enabled=True)
+    metrics.write("error", message="could not push (offline)")
+    assert tab.manager.status().error == "could not push (offline)"
+    metrics.write("pushed", repo="me/chat", url="https://huggingface.co/me/chat")
+    status = tab.manager.status()
+    assert status.state == "finished" and status.error is None and status.pushed_url == "https://huggingface.co/me/chat"
+
+
+@pytest.mark.parametrize("seconds, text", [(None, "?"), (0, "0 s"), (59.4, "59 s"), (61, "1 min 01 s"),
+                                           (3725, "1 h 02 min"), (float("inf"), "?")])
+def test_format_duration(seconds, text):
+    assert train_ui.format_duration(seconds) == text
+
+
+def test_hardware_note():
+    assert "needs a GPU" in train_ui.hardware_note(0) and "tiny" in train_ui.hardware_note(0)
+    assert "2 GPUs" in train_ui.hardware_note(2)
+    assert train_ui.progress_bar(0.5, 10) == "█████░░░░░"
+
+
+def test_data_root_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERSONA_CHAT_DATA", str(tmp_path / "d"))
+    assert runner.data_root() == (tmp_path / "d").resolve() and runner.data_root() in runner.allowed_roots()
+    monkeypatch.delenv("PERSONA_CHAT_DATA")
+    assert runner.data_root() == Path(os.getcwd(), runner.DATA_ROOT).resolve()
