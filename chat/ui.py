@@ -377,8 +377,8 @@ def current_choice(engine: ChatEngine, choices: list[tuple[str, str]]) -> str | 
     return None
 
 
-def refresh_models(engine: ChatEngine):
-    choices = model_choices(current=engine.current.name)
+def refresh_models(engine: ChatEngine, root: Path | str | None = None):
+    choices = model_choices(root, current=engine.current.name)
     return gr.update(choices=choices, value=current_choice(engine, choices))
 
 
@@ -394,7 +394,7 @@ def spec_to_load(choice: str | None, hub_id: str | None) -> str:
     return choice
 
 
-def load_model(engine: ChatEngine, choice: str | None, hub_id: str | None):
+def load_model(engine: ChatEngine, choice: str | None, hub_id: str | None, root: Path | str | None = None):
     """Swap the served model; yields (status, picker update). On failure the current model
     keeps serving and the user gets a warning."""
     try:
@@ -412,4 +412,4 @@ def load_model(engine: ChatEngine, choice: str | None, hub_id: str | None):
         yield status_markdown(engine), gr.skip()
         return
     gr.Info(f"Now serving {model_label(spec)}")
-    yield status_markdown(engine), refresh_models(engine)
+    yield status_markdown(engine), refresh_models(engine, root)

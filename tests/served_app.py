@@ -1,0 +1,56 @@
+"""The app launched in-process for tests (offline, 127.0.0.1, the bundled demo model), and a
+client session that can call its private endpoints."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from gradio_client import Client
+
+from chat import auth, train_ui
+from chat.engine import DEMO_DIR, ChatEngine, load_checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class App:
+    """A launched app with its own runs root, data root and engine."""
+
+    def __init__(self, root: Path, config: auth.AuthConfig):
+        import app
+
+        self.runs, self.data = root / "runs", root / "uploads"
+        self.saved = {k: os.environ.get(k) for k in ("PERSONA_CHAT_RUNS", "PERSONA_CHAT_DATA")}
+        os.environ.update(PERSONA_CHAT_RUNS=str(self.runs), PERSONA_CHAT_DATA=str(self.data))
+        self.engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
+        self.tab = train_ui.TrainTab.create(auth=config, runs_root=self.runs)
+        self.demo = app.build_demo(self.engine, self.tab)
+        _, self.url, _ = self.demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
+                                          quiet=True, **app.LAUNCH_OPTIONS)
+
+    def close(self):
+        self.demo.close()
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class Caller:
+    """A gradio_client session that also calls private endpoints (what a crafted request can do)."""
+
+    def __init__(self, url: str):
+        self.client = Client(url, verbose=False)
+        for endpoint in self.client.endpoints.values():
+            endpoint.is_valid = True  # the client-side check only; the server decides
+
+    def __call__(self, api_name: str, *args):
+        fn_index = next(d["id"] for d in self.client.config["dependencies"] if d.get("api_name") == api_name)
+        return self.client.predict(*args, fn_index=fn_index)

@@ -1,0 +1,169 @@
+"""The Train tab through the launched app (gradio_client, offline, 127.0.0.1, the demo model).
+
+The train endpoints are private: gradio_client refuses to call them. That is not security (the
+browser calls them by number, and so can anyone), so these tests lift the client's guard, as an
+attacker would, and check that the *handlers* refuse: anonymous callers when a password is set,
+everyone when no login is configured. A logged-in session uploads data, trains a tiny model for
+real, and serves the new checkpoint in the chat.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+
+from chat import auth, train_ui, ui
+from chat.engine import DEMO_DIR
+from finetune.runner import MAX_UPLOAD_BYTES
+from served_app import App, Caller
+
+PASSWORD = "s3cret-for-tests"
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory):
+    """The app with TRAIN_PASSWORD set."""
+    served = App(tmp_path_factory.mktemp("locked"), auth.AuthConfig(password=PASSWORD))
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def open_app(tmp_path_factory):
+    """The app with no login configured."""
+    served = App(tmp_path_factory.mktemp("open"), auth.AuthConfig())
+    yield served
+    served.close()
+
+
+def run_form(tab, **changes) -> list:
+    values = {**train_ui.default_form(tab), "n_train": 96, "n_val": 8, "epochs": 1, "train_batch_size": 8,
+              "eval_batch_size": 8, "num_beams": 1, "logging_steps": 1, **changes}
+    return [values[name] for name in train_ui.FORM_FIELDS]
+
+
+def guarded_calls(served: App, upload: Path) -> dict:
+    """Every action that needs a login, with valid arguments."""
+    return {"train_start": run_form(served.tab), "train_stop": [], "train_resume": [],
+            "train_push": ["someone/chat", False], "train_upload_train": [handle_file(str(upload)), "chatbot: "],
+            "train_upload_validation": [handle_file(str(upload)), "chatbot: "],
+            "load_model": [str(DEMO_DIR), ""]}
+
+
+@pytest.fixture(scope="module")
+def upload_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("files") / "dialogues.jsonl"
+    path.write_text((ROOT / "data" / "sample" / "validation.jsonl").read_text())
+    return path
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_train_endpoints_are_not_in_the_api(locked):
+    client = Client(locked.url, verbose=False)
+    assert list(client.view_api(return_format="dict", print_info=False)["named_endpoints"]) == ["/chat"]
+    with pytest.raises(ValueError, match="Cannot find a function with `api_name`: /train_start"):
+        client.predict(*run_form(locked.tab), api_name="/train_start")
+
+
+def test_anonymous_callers_are_refused_server_side(locked, upload_file):
+    caller = Caller(locked.url)
+    serving = locked.engine.current
+    for api_name, args in guarded_calls(locked, upload_file).items():
+        with pytest.raises(AppError, match="log in first"):
+            caller(api_name, *args)
+    assert locked.tab.manager.runs() == [] and not locked.data.exists()  # nothing started, nothing copied
+    assert locked.engine.current is serving
+    # watching and "Show command" stay open; chatting too
+    assert "--model_name_or_path tiny" in caller("train_command", *run_form(locked.tab))
+    assert caller.client.predict("hi!", "none", "", api_name="/chat").strip()
+
+
+def test_wrong_password_is_refused_and_a_login_is_per_session(locked):
+    caller = Caller(locked.url)
+    started = time.perf_counter()
+    with pytest.raises(AppError, match="Wrong password"):
+        caller("train_login", "s3cret")
+    assert time.perf_counter() - started >= auth.FAILED_LOGIN_DELAY
+    markdown, box = caller("train_login", PASSWORD)
+    assert markdown.startswith("🔓 **Logged in**") and box == ""
+    with pytest.raises(AppError, match="no run is running"):  # past the login check
+        caller("train_stop")
+    other = Caller(locked.url)  # another browser: not logged in
+    with pytest.raises(AppError, match="log in first"):
+        other("train_stop")
+    caller("train_logout")
+    with pytest.raises(AppError, match="log in first"):
+        caller("train_stop")
+
+
+def test_nothing_configured_refuses_everyone(open_app, upload_file):
+    caller = Caller(open_app.url)
+    with pytest.raises(AppError, match="not configured"):
+        caller("train_login", "anything")
+    for api_name, args in guarded_calls(open_app, upload_file).items():
+        with pytest.raises(AppError, match="no login is configured"):
+            caller(api_name, *args)
+    assert open_app.tab.manager.runs() == [] and not open_app.data.exists()
+    assert caller.client.predict("hi!", "none", "", api_name="/chat").strip()
+
+
+def test_uploads_over_the_limit_are_refused_by_gradio(locked, tmp_path):
+    assert locked.demo.max_file_size == MAX_UPLOAD_BYTES
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as fh:
+        fh.truncate(MAX_UPLOAD_BYTES + 1)
+    with open(big, "rb") as fh:
+        response = httpx.post(locked.url.rstrip("/") + "/gradio_api/upload", files={"files": ("big.jsonl", fh)},
+                              timeout=60)
+    assert response.status_code == 413, response.text
+
+
+# --------------------------------------------------------------------------- logged in
+
+
+def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, upload_file):
+    caller = Caller(locked.url)
+    caller("train_login", PASSWORD)
+
+    preview = caller("train_upload_train", handle_file(str(upload_file)), "chatbot: ")
+    assert "**dialogues.jsonl**: 187 rows, valid" in preview and "```text\nchatbot: " in preview
+    copies = list(locked.data.rglob("train.jsonl"))
+    assert len(copies) == 1 and copies[0].read_bytes() == upload_file.read_bytes()
+
+    message = caller("train_start", *run_form(locked.tab))
+    run_id = locked.tab.manager.runs()[0]
+    assert message.startswith(f"▶️ Started run **{run_id}**")
+    with pytest.raises(AppError, match=f"run {run_id} is still running"):
+        caller("train_start", *run_form(locked.tab))
+    assert locked.tab.manager.runs() == [run_id]
+
+    deadline = time.monotonic() + TIMEOUT
+    while (status := locked.tab.manager.status(run_id)).state in ("running", "stopping"):
+        assert time.monotonic() < deadline, status.log_tail
+        time.sleep(0.5)
+    assert status.state == "finished", status.error or status.log_tail
+    assert status.loss_points and status.eval_bleu is not None
+    final = status.final_dir
+    assert final in [spec for _, spec in ui.model_choices(locked.runs)]
+    with pytest.raises(AppError, match="no run is running"):
+        caller("train_stop")
+
+    # the Chat tab: Refresh, then Load the new checkpoint (a logged-in action), then chat with it
+    caller("refresh_models")
+    status_line, _ = caller("load_model", final, "")
+    assert status_line.startswith(f"✅ **Serving {final}**")
+    assert locked.engine.current.name == final
+    assert caller.client.predict("hi! how are you?", "none", "", api_name="/chat").strip()
+    # a push needs the Hub: offline it fails with the reason, and the app keeps serving
+    with pytest.raises(AppError, match="could not push"):
+        caller("train_push", "someone/chat-e", False)
+    assert caller.client.predict("still there?", "none", "", api_name="/chat").strip()
