@@ -1,0 +1,143 @@
+"""The app in a real browser: headless Chromium from Debian's ``chromium`` package, driven by
+Playwright's Python API (no browser download). Chat a few turns, switch the kind, log in, train
+a tiny model from the Train tab while its loss curve grows, then load the new checkpoint in the
+chat's model picker and get a reply from it.
+
+Skipped (with the reason) when Playwright or /usr/bin/chromium is missing; ``.ci/run`` installs
+both, so CI runs it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from chat import auth
+from served_app import App
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:  # pragma: no cover - depends on the machine
+    sync_playwright = None
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(
+    sync_playwright is None or not CHROMIUM.exists(),
+    reason="browser test needs Playwright (`pip install playwright`) and Debian's chromium (/usr/bin/chromium, "
+           "`apt-get install chromium`); .ci/run installs both",
+)
+
+PASSWORD = "browser-test-password"
+TRAIN_TIMEOUT_MS = 120_000
+POINT = "[aria-label^='step: ']"  # vega draws one labelled mark per data point of a LinePlot
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    app = App(tmp_path_factory.mktemp("browser"), auth.AuthConfig(password=PASSWORD))
+    yield app
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def page(served):
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(served.url)
+        yield page
+        context.close()
+        browser.close()
+
+
+def bot_messages(page):
+    return page.locator("[data-testid='bot']")
+
+
+def send(page, text: str) -> str:
+    """Type a message, wait for the bot's reply to finish, return it."""
+    before = bot_messages(page).count()
+    box = page.locator("#chat-input textarea")  # (its placeholder goes once the chat has started)
+    box.fill(text)
+    box.press("Enter")
+    expect(bot_messages(page)).to_have_count(before + 1)
+    # streaming is over when the textbox's stop button has gone again
+    expect(page.locator("button.stop-button")).to_have_count(0)
+    reply = bot_messages(page).last.inner_text().strip()
+    assert reply and "Nothing was sent to the model" not in reply
+    return reply
+
+
+def plotted_steps(page, elem_id: str) -> list[int]:
+    """The x values a LinePlot draws, read from vega's labelled marks (a hover mark repeats one)."""
+    labels = page.locator(f"#{elem_id} {POINT}").evaluate_all("marks => marks.map(m => m.getAttribute('aria-label'))")
+    return sorted({int(re.match(r"step: (\d+);", label).group(1)) for label in labels})
+
+
+def fill(page, elem_id: str, value) -> None:
+    page.locator(f"#{elem_id} input").fill(str(value))
+
+
+def test_chat_train_and_serve_the_new_model(served, page):
+    started = time.perf_counter()
+    # ---- chat a few turns, then switch the kind
+    first = send(page, "hi! who are you?")
+    send(page, "what do you like to do for fun?")
+    page.get_by_role("radio", name="Emotion").check()
+    expect(page.locator("#context-emotion input")).to_have_value("joyful")  # the emotion list replaces the text
+    send(page, "i just got some great news!")
+    assert bot_messages(page).first.inner_text().strip() == first  # the conversation stayed on the page
+
+    # ---- the Train tab refuses before a login (the server says so), then accepts the password
+    page.get_by_role("tab", name="Train").click()
+    page.locator("#train-start").click()
+    expect(page.get_by_text(re.compile("log in first")).first).to_be_visible()
+    assert served.tab.manager.runs() == []
+    fill(page, "train-password", PASSWORD)
+    page.locator("#train-login").click()
+    expect(page.locator("#train-auth")).to_contain_text("Logged in")
+
+    # ---- a tiny run: 800 rows, batch 8 on 2 processes = 50 steps, a loss point every step
+    for elem_id, value in (("train-n-train", 800), ("train-n-val", 8), ("train-epochs", 1), ("train-batch", 8),
+                           ("train-logging", 1), ("train-beams", 1)):
+        fill(page, elem_id, value)
+    page.locator("#train-show-command").click()
+    expect(page.locator("#train-command")).to_contain_text("--n_train 800")
+    page.locator("#train-start").click()
+    expect(page.locator("#train-action")).to_contain_text("Started run")
+    run_id = served.tab.manager.runs()[0]
+    expect(page.locator("#train-run")).to_contain_text(f"Run {run_id}")
+
+    # the loss curve grows while the run is running
+    seen, deadline = [], time.monotonic() + TRAIN_TIMEOUT_MS / 1000
+    while "finished" not in (text := page.locator("#train-run").inner_text()):
+        assert "failed" not in text, text
+        assert time.monotonic() < deadline, f"no result in time:\n{text}"
+        points = len(plotted_steps(page, "train-loss"))
+        if points and (not seen or points != seen[-1]):
+            seen.append(points)
+        time.sleep(0.3)
+    assert len(seen) >= 2 and seen == sorted(seen), f"loss points seen while running: {seen}"
+    expect(page.locator("#train-run")).to_contain_text("BLEU")
+    expect(page.locator(f"#train-bleu {POINT}").first).to_be_attached()
+    assert plotted_steps(page, "train-loss") == list(range(1, 51))  # every step, after the last redraw
+    assert plotted_steps(page, "train-bleu") == [50]
+    expect(page.locator("#train-samples")).to_contain_text("chatbot: ")  # sample replies of the validation set
+    final = served.tab.manager.status(run_id).final_dir
+
+    # ---- the new checkpoint is in the Chat tab's picker: load it and chat with it
+    page.get_by_role("tab", name="Chat").click()
+    page.get_by_role("button", name="Model").first.click()  # the accordion
+    page.locator("#model-picker input").click()
+    page.get_by_role("option", name=f"{run_id}/final").click()  # a substring of its label
+    page.locator("#model-load").click()
+    expect(page.locator("#serving-status")).to_contain_text(f"Serving {final}")
+    assert served.engine.current.name == final
+    send(page, "hello again! how are you?")
+    print(f"browser test: {time.perf_counter() - started:.1f} s, loss points seen while running: {seen}")
