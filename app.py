@@ -8,9 +8,10 @@ Every other endpoint is private, and those that change something check the login
 (chat/auth.py: ``TRAIN_PASSWORD``, or Hugging Face OAuth on a Space with ``TRAIN_USERS``).
 
 ``build_demo(engine, train)`` builds the app around any ``ChatEngine`` and Train tab settings (the
-tests pass the bundled demo model and their own runs root and login). ``python app.py`` starts the engine (``CHAT_MODEL`` or the 400M base model; offline, the
-demo model) and serves on GRADIO_SERVER_NAME / GRADIO_SERVER_PORT. Importing this module loads
-nothing: ``app.demo`` is built on first access.
+tests pass the bundled demo model and their own runs root and login). ``python app.py`` starts the
+engine (``CHAT_MODEL`` or the 400M base model; offline, the demo model) and serves on
+GRADIO_SERVER_NAME / GRADIO_SERVER_PORT. Importing this module loads nothing: ``app.demo`` is
+built on first access.
 """
 
 import logging
@@ -38,9 +39,9 @@ trained on. Each browser tab is its own conversation."""
 
 TRAIN_INTRO = """### Train a model
 Fine-tune a BlenderBot on the sample, a Hub dataset or your own file. **Start** runs `accelerate launch … -m finetune`
-in the background, exactly the command **Show command** prints (the README's **Train** section explains it). One run at a
-time; it keeps going when this page closes, and everyone who opens the app sees it. A finished run appears in the Chat
-tab's **Model** list."""
+in the background, exactly the command **Show command** prints (the README's **Train** section explains it).
+One run at a time; it keeps going when this page closes, and everyone who opens the app sees it. A finished run
+appears in the Chat tab's **Model** list."""
 
 
 def build_demo(engine: ChatEngine, train: train_ui.TrainTab | None = None) -> gr.Blocks:
@@ -65,7 +66,8 @@ def build_demo(engine: ChatEngine, train: train_ui.TrainTab | None = None) -> gr
                         context = gr.Textbox(ui.CHAT_E_PERSONA, label=label, info=info, lines=2, max_lines=6,
                                              max_length=MAX_CONTEXT_CHARS)
                         emotion = gr.Dropdown(list(EMOTIONS), value=ui.KIND_DEFAULTS["emotion"],
-                                              allow_custom_value=True, label="Emotion", visible=False, elem_id="context-emotion",
+                                              allow_custom_value=True, label="Emotion", visible=False,
+                                              elem_id="context-emotion",
                                               info="One of the 32 emotions the model was trained on (or type one).")
                         preset = gr.Radio(ui.PRESET_CHOICES, value="fast", label="Preset")
                         beams0, sample0, temperature0, top_p0, max_new0 = ui.preset_values("fast")
@@ -150,13 +152,12 @@ def build_demo(engine: ChatEngine, train: train_ui.TrainTab | None = None) -> gr
         for event in tab["actions"]:  # show what an action did at once, not at the next tick
             event.success(redraw, tab["cache"], live, queue=False, show_progress="hidden", **private)
 
-        def on_page_load(state: auth.Session, profile: gr.OAuthProfile | None, cache):
-            # The model is shared: show what is serving now whenever a page opens, and re-attach
-            # to the latest run.
-            return (ui.status_markdown(engine), ui.refresh_models(engine, runs),
-                    auth.status_markdown(train.auth, state, profile), *redraw(None))
+        def on_page_load(state: auth.Session, profile: gr.OAuthProfile | None):
+            # The model is shared: show what is serving now whenever a page opens (the picker is
+            # refreshed by the redraw), and re-attach to the latest run.
+            return ui.status_markdown(engine), auth.status_markdown(train.auth, state, profile), *redraw(None)
 
-        demo.load(on_page_load, [session, tab["cache"]], [status, picker, tab["auth"], *live], queue=False, **private)
+        demo.load(on_page_load, session, [status, tab["auth"], *live], queue=False, **private)
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=CONCURRENCY)
     demo.chat_interface = chat  # for tests and for code that wires more events to the chat
     return demo
@@ -192,7 +193,8 @@ def _train_tab(train: train_ui.TrainTab, session: gr.State) -> dict:
             form["hub_dataset"] = gr.Textbox(defaults["hub_dataset"], label="Hub dataset id", max_length=200,
                                              visible=False, info="train/validation splits, texts/labels columns")
         with gr.Row(visible=False) as upload_row:
-            train_file = gr.File(label="Training file (.jsonl/.json/.csv/.parquet)", file_types=list(train_ui.UPLOAD_TYPES))
+            train_file = gr.File(label="Training file (.jsonl/.json/.csv/.parquet)",
+                                 file_types=list(train_ui.UPLOAD_TYPES))
             val_file = gr.File(label="Validation file (optional: else the last 10% of the training rows)",
                                file_types=list(train_ui.UPLOAD_TYPES))
         preview = gr.Markdown()
@@ -201,7 +203,8 @@ def _train_tab(train: train_ui.TrainTab, session: gr.State) -> dict:
                                         elem_id="train-n-train")
             form["n_val"] = gr.Number(None, precision=0, minimum=0, label="Validation rows (0 = all)",
                                       elem_id="train-n-val")
-            form["epochs"] = gr.Number(defaults["epochs"], precision=0, minimum=1, label="Epochs", elem_id="train-epochs")
+            form["epochs"] = gr.Number(defaults["epochs"], precision=0, minimum=1, label="Epochs",
+                                       elem_id="train-epochs")
             form["learning_rate"] = gr.Number(defaults["learning_rate"], minimum=0, label="Learning rate")
         with gr.Row():
             form["train_batch_size"] = gr.Number(defaults["train_batch_size"], precision=0, minimum=1,
@@ -308,7 +311,8 @@ def _train_tab(train: train_ui.TrainTab, session: gr.State) -> dict:
     ]
     show.click(lambda current, *values: train_ui.show_command(train, current, values), [uploads, *inputs], command,
                api_name="train_command", queue=False, **private)
-    form["data_source"].change(lambda source: (gr.update(visible=source == "hub"), gr.update(visible=source == "upload")),
+    form["data_source"].change(lambda source: (gr.update(visible=source == "hub"),
+                                               gr.update(visible=source == "upload")),
                                form["data_source"], [form["hub_dataset"], upload_row], queue=False, **private)
     form["model"].input(train_ui.learning_rate_for, form["model"], form["learning_rate"], queue=False, **private)
     return {"auth": auth_md, "cache": cache, "run": run, "loss": loss, "bleu": bleu, "samples": samples,

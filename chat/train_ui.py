@@ -312,7 +312,8 @@ def progress_bar(fraction: float, width: int = 20) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-STATE_ICONS = {"idle": "💤", "running": "🏃", "stopping": "⏳", "stopped": "⏸️", "finished": "✅", "failed": "❌"}
+STATE_ICONS = {"idle": "💤", "running": "🏃", "stopping": "⏳", "stopped": "⏸️", "finished": "✅",
+               "failed": "❌"}
 
 
 def run_markdown(status: RunStatus) -> str:

@@ -116,6 +116,13 @@ def test_nothing_configured_refuses_everyone(open_app, upload_file):
     assert caller.client.predict("hi!", "none", "", api_name="/chat").strip()
 
 
+def test_the_password_never_reaches_a_page(locked):
+    caller = Caller(locked.url)
+    caller("train_login", PASSWORD)
+    for path in ("/", "/config"):
+        assert PASSWORD not in httpx.get(locked.url.rstrip("/") + path, timeout=10).text
+
+
 def test_uploads_over_the_limit_are_refused_by_gradio(locked, tmp_path):
     assert locked.demo.max_file_size == MAX_UPLOAD_BYTES
     big = tmp_path / "big.jsonl"
@@ -153,6 +160,16 @@ def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, uploa
     assert status.state == "finished", status.error or status.log_tail
     assert status.loss_points and status.eval_bleu is not None
     final = status.final_dir
+
+    # another viewer (not logged in) opening the page sees the same run, and so does a restarted app
+    viewer = Caller(locked.url).client
+    page_load = next(d["id"] for d in viewer.config["dependencies"] if d.get("api_name") == "on_page_load")
+    viewer.endpoints[page_load].is_valid = True
+    shown = viewer.predict(fn_index=page_load)
+    run_text = next(v for v in shown if isinstance(v, str) and v.startswith("✅ **Run"))
+    assert f"**Run {run_id}**: finished" in run_text and f"BLEU {status.eval_bleu:.2f}" in run_text
+    restarted = train_ui.TrainTab.create(auth=locked.tab.auth, runs_root=locked.runs)
+    assert f"**Run {run_id}**: finished" in train_ui.live_view(restarted, None)[1]
     assert final in [spec for _, spec in ui.model_choices(locked.runs)]
     with pytest.raises(AppError, match="no run is running"):
         caller("train_stop")

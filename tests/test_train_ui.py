@@ -346,7 +346,8 @@ def test_run_markdown_states():
     assert "running" in text and "step 5 / 20 (25%)" in text and "ETA 1 min 15 s" in text
     assert "12.3 samples/s" in text and "GPU memory 3.2 GiB" in text
     assert "starting: loading" in train_ui.run_markdown(RunStatus(run_id="r", state="running"))
-    failed = train_ui.run_markdown(RunStatus(run_id="r", state="failed", error="CUDA out of memory", has_checkpoint=True))
+    failed = train_ui.run_markdown(RunStatus(run_id="r", state="failed", error="CUDA out of memory",
+                                             has_checkpoint=True))
     assert "**Error:** CUDA out of memory" in failed and "**Resume**" in failed
     pushed = train_ui.run_markdown(RunStatus(run_id="r", state="finished", pushed_url="https://hf.co/me/chat"))
     assert "Pushed to https://hf.co/me/chat" in pushed
