@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chat.ngram import blocking_kwargs
+from chat.fastgen import fast_kwargs
 from transformers.generation.streamers import BaseStreamer
 
 from chat.optimize import optimization_of
@@ -124,7 +124,7 @@ class Batcher:
                 torch.manual_seed(seed)
             inputs = {k: v.to(model.device) for k, v in _pad([r.encoded for r in batch], tokenizer.pad_token_id).items()}
             with torch.inference_mode():
-                out = model.generate(**inputs, streamer=fan, **blocking_kwargs(kwargs, inputs["input_ids"]))
+                out = model.generate(**inputs, streamer=fan, **fast_kwargs(kwargs, inputs["input_ids"]))
         except BaseException as err:  # every waiting request learns about it
             if fan:
                 fan.end()

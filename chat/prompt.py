@@ -131,10 +131,17 @@ def fit_source(
             return source, start
     dropped = len(turns) - 1
     words = turns[-1].split(" ")
-    while len(words) > 1:
-        words = words[1:]
-        source = join_source(context_text, [" ".join(words)])
+    # Keep the longest tail of the message that fits: binary search on how many words to cut
+    # (more words never take fewer tokens), so a very long message costs log(words) counts.
+    best, low, high = None, 1, len(words) - 1
+    while low <= high:
+        cut = (low + high) // 2
+        source = join_source(context_text, [" ".join(words[cut:])])
         if count_tokens(source) <= max_tokens:
-            return source, dropped
+            best, high = source, cut - 1
+        else:
+            low = cut + 1
+    if best is not None:
+        return best, dropped
     # Even context + one word is too long: the tokenizer's own truncation takes over.
-    return join_source(context_text, [" ".join(words)]), dropped
+    return join_source(context_text, [words[-1]]), dropped

@@ -16,6 +16,8 @@ from pathlib import Path
 import yaml
 
 DEFAULT_MODEL = "facebook/blenderbot-400M-distill"
+# finetune.model.ATTENTION (not imported: config must stay light for the runner and the app)
+ATTENTION = ("auto", "sdpa", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 DEFAULT_DATASET = "smangrul/MuDoConv"
 TRACKERS = ("tensorboard", "wandb", "trackio", "all")
 
@@ -39,6 +41,7 @@ class TrainConfig:
     val_max_target_length: int | None = _doc("Max generated length at evaluation (default: max_target_length).", default=None)
     val_min_target_length: int = _doc("Min generated length at evaluation.", default=20)
     pad_to_max_length: bool = _doc("Pad every batch to the max lengths (seed); default pads per batch.", default=False)
+    attention: str = _doc("Attention kernels: auto (fastest measured), sdpa, eager, sdpa-flash, sdpa-efficient, sdpa-cudnn.", default="auto")
     group_by_length: bool = _doc("Batch training rows of similar length together (less padding; order still shuffled).", default=True)
     dataloader_num_workers: int | None = _doc("Batch-collating worker processes (default: 2 on GPUs, 0 on CPU).", default=None)
     # --- evaluation
@@ -47,6 +50,7 @@ class TrainConfig:
     encoder_no_repeat_ngram_size: int = _doc("Evaluation blocking of n-grams copied from the input.", default=3)
     repetition_penalty: float = _doc("Evaluation repetition penalty.", default=1.2)
     n_val_batch_generations: int = _doc("Evaluation batches whose (prompt, prediction, reference) are logged.", default=5)
+    eval_attention: str = _doc("Attention for evaluation generation: eager (fastest for beam decoding) or sdpa.", default="eager")
     fast_ngram_blocking: bool = _doc("Tensorized n-gram blocking (same bans as transformers' per-hypothesis loop, far faster).", default=True)
     # --- optimisation
     per_device_train_batch_size: int = _doc("Micro-batch per process.", default=8)
@@ -69,6 +73,7 @@ class TrainConfig:
     checkpointing_steps: int | None = _doc("Save full training state every N steps (and at each epoch end).", default=None)
     checkpoints_total_limit: int = _doc("Keep this many step checkpoints (older ones are deleted).", default=2)
     resume_from_checkpoint: str | None = _doc("'latest' or a checkpoint directory to continue from.", default=None)
+    profile_dir: str | None = _doc("Write a torch.profiler table of training steps 3-5 (main process) to this folder.", default=None)
     save_model: bool = _doc("Save the final model to output_dir/final (off only for benchmarks and dry runs).", default=True)
     push_to_hub: bool = _doc("Upload the final model to the Hub.", default=False)
     hub_model_id: str | None = _doc("Hub repo 'user/name' for push_to_hub.", default=None)
@@ -96,6 +101,10 @@ class TrainConfig:
             raise ValueError("--learning_rate must be > 0")
         if self.report_to not in TRACKERS:
             raise ValueError(f"--report_to must be one of {', '.join(TRACKERS)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if self.eval_attention not in ("eager", "sdpa"):
+            raise ValueError(f"--eval_attention must be eager or sdpa, got {self.eval_attention!r}")
         if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
             raise ValueError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         if self.push_to_hub and not self.save_model:

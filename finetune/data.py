@@ -191,17 +191,20 @@ def tokenize(raw: DatasetDict, tokenizer, cfg) -> DatasetDict:
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
-    """A shuffled order in which each run of ``batch_size`` rows has similar lengths.
+    """A shuffled order in which each run of ``group_size`` rows has similar lengths.
 
     With per-batch padding, a batch costs as much as its longest row; random batches of short
     dialogues with a few long ones pay for the long ones everywhere. Each epoch: shuffle, cut
-    into mega-batches of ``mega`` batches, sort each by length, cut into batches and shuffle
-    the batches (the short last batch stays last, so the loader's cuts line up). The order
-    depends only on ``seed`` and the epoch (``set_epoch``), so a resumed run sees the same one.
+    into mega-batches of ``mega`` groups, sort each by length, cut into groups and shuffle the
+    groups (a short last group stays last, so the loader's cuts line up). The group is one
+    optimizer step's rows on all processes (micro-batch x processes): the loader hands
+    consecutive batches to different processes, and one process with longer rows would make
+    the others wait at every gradient exchange. The order depends only on ``seed`` and the
+    epoch (``set_epoch``), so a resumed run sees the same one.
     """
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, mega: int = 50):
-        self.lengths, self.batch_size, self.seed, self.mega = lengths, batch_size, seed, mega
+    def __init__(self, lengths: list[int], group_size: int, seed: int, mega: int = 50):
+        self.lengths, self.group_size, self.seed, self.mega = lengths, group_size, seed, mega
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -213,15 +216,15 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
-        size = self.batch_size * self.mega
+        size = self.group_size * self.mega
         order = [i for start in range(0, len(order), size)
                  for i in sorted(order[start:start + size], key=lambda i: -self.lengths[i])]
-        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        last = batches.pop() if len(batches[-1]) < self.batch_size else None
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+        groups = [order[i:i + self.group_size] for i in range(0, len(order), self.group_size)]
+        last = groups.pop() if len(groups[-1]) < self.group_size else None
+        groups = [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
         if last:
-            batches.append(last)
-        return iter([i for batch in batches for i in batch])
+            groups.append(last)
+        return iter([i for group in groups for i in group])
 
 
 def row_lengths(split: Dataset) -> list[int]:

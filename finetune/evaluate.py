@@ -9,7 +9,7 @@ import sacrebleu
 import torch
 from tqdm.auto import tqdm
 
-from chat.ngram import blocking_kwargs
+from chat.fastgen import fast_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,20 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
                 return None
         loss = model(**batch).loss.detach().float()
         losses.append(accelerator.gather_for_metrics(loss.repeat(batch["input_ids"].shape[0])))
-        gen_kwargs = blocking_kwargs(kwargs, batch["input_ids"]) if cfg.fast_ngram_blocking else kwargs
-        # ZeRO-3 shards the weights: every rank must take part in every generation step.
-        generated = generator.generate(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], synced_gpus=zero3, **gen_kwargs
-        )
+        gen_kwargs = fast_kwargs(kwargs, batch["input_ids"]) if cfg.fast_ngram_blocking else kwargs
+        # Decoding one token at a time over short contexts is fastest with eager attention
+        # (measured on H200, docs/benchmarks.md); the loss above ran on the training kernels.
+        trained_with = generator.config._attn_implementation
+        if cfg.eval_attention != trained_with:
+            generator.set_attn_implementation(cfg.eval_attention)
+        try:
+            # ZeRO-3 shards the weights: every rank must take part in every generation step.
+            generated = generator.generate(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], synced_gpus=zero3, **gen_kwargs
+            )
+        finally:
+            if cfg.eval_attention != trained_with:
+                generator.set_attn_implementation(trained_with)
         generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad)
         labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)
         inputs = accelerator.pad_across_processes(batch["input_ids"], dim=1, pad_index=pad)

@@ -142,6 +142,27 @@ def load_tokenizer(name_or_path: str):
         raise _explain(path, err) from None
 
 
+# Attention kernels: "sdpa" lets PyTorch pick per call; "sdpa-<kernel>" allows only that fused
+# kernel (plus the plain math one as a fallback for shapes it cannot do); "eager" is
+# transformers' original attention. "auto" is the fastest one measured for this model's
+# shapes (32 heads of 40 dims over 128/64 tokens) in docs/benchmarks.md.
+ATTENTION = ("auto", "sdpa", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+AUTO_ATTENTION = "sdpa"
+
+
+def configure_attention(choice: str) -> str:
+    """Apply an ATTENTION choice (process-wide for the sdpa kernels); return the
+    ``attn_implementation`` to load models with."""
+    if choice not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {choice!r}")
+    choice = AUTO_ATTENTION if choice == "auto" else choice
+    kernel = choice.removeprefix("sdpa-") if choice.startswith("sdpa-") else None
+    torch.backends.cuda.enable_flash_sdp(kernel in (None, "flash"))
+    torch.backends.cuda.enable_mem_efficient_sdp(kernel in (None, "efficient"))
+    torch.backends.cuda.enable_cudnn_sdp(kernel in (None, "cudnn"))
+    return "sdpa" if kernel else choice
+
+
 def load_model(name_or_path: str, **kwargs) -> BlenderbotForConditionalGeneration:
     path = resolve(name_or_path)
     try:

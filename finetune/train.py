@@ -34,13 +34,16 @@ from finetune.config import TrainConfig, parse_args
 from finetune.data import DataError, LengthGroupedSampler, load_raw, row_lengths, tokenize
 from finetune.evaluate import evaluate, generation_kwargs
 from finetune.hub import HubError, push, write_model_card
-from finetune.model import ModelLoadError, load_model, load_tokenizer, resolve
+from finetune.model import ModelLoadError, configure_attention, load_model, load_tokenizer, resolve
 
 log = get_logger(__name__)
 
 # After this many consecutive non-finite losses the run stops. fp16 gets room for DeepSpeed's
 # dynamic loss scale to back off (it skips overflowing steps and halves the scale).
 NONFINITE_PATIENCE = {"fp16": 50}
+# Stop requests and non-finite losses are checked (one small collective) at every log step and
+# at least this often; in between, the CPU never waits for the GPU.
+CHECK_EVERY = 10
 
 
 class TrainingError(RuntimeError):
@@ -102,6 +105,28 @@ def make_optimizer(accelerator, model, cfg, total_steps: int):
     return optimizer, scheduler
 
 
+def start_profiler(folder: str):
+    """torch.profiler over optimizer steps 3-5; tables sorted by device and by CPU time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def write(prof):
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        averages = prof.key_averages()
+        for key in ("cuda_time_total", "cpu_time_total"):
+            if key == "cuda_time_total" and not torch.cuda.is_available():
+                continue
+            (out / f"train_steps_by_{key}.txt").write_text(averages.table(sort_by=key, row_limit=40))
+        log.info(f"profile of steps 3-5 written to {out}")
+
+    profiler = torch.profiler.profile(activities=activities, on_trace_ready=write,
+                                      schedule=torch.profiler.schedule(wait=2, warmup=0, active=3, repeat=1))
+    profiler.start()
+    return profiler
+
+
 class StopRequest:
     """Set by SIGTERM/SIGINT or by a STOP file in the output dir; checked collectively each step."""
 
@@ -158,7 +183,7 @@ def train(cfg: TrainConfig) -> dict:
     with accelerator.main_process_first():
         data = tokenize(raw, tokenizer, cfg)
     # After the accelerator exists, so ZeRO-3 can partition the weights as they load.
-    model = load_model(cfg.model_name_or_path)
+    model = load_model(cfg.model_name_or_path, attn_implementation=configure_attention(cfg.attention))
 
     pad_multiple = 8 if accelerator.mixed_precision != "no" else None
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
@@ -168,7 +193,8 @@ def train(cfg: TrainConfig) -> dict:
     # Each loader gets its own generator: creating an iterator must not draw from the global RNG,
     # or a resumed run (which creates it after restoring RNG states) would see different dropout.
     if cfg.group_by_length and not cfg.pad_to_max_length:
-        order = dict(sampler=LengthGroupedSampler(row_lengths(data["train"]), cfg.per_device_train_batch_size, cfg.seed))
+        group = cfg.per_device_train_batch_size * accelerator.num_processes  # one step's rows on all processes
+        order = dict(sampler=LengthGroupedSampler(row_lengths(data["train"]), group, cfg.seed))
     else:
         order = dict(shuffle=True)
     train_dl = DataLoader(data["train"], batch_size=cfg.per_device_train_batch_size, **order, **loader_kwargs,
@@ -203,7 +229,9 @@ def train(cfg: TrainConfig) -> dict:
     metrics.write("start", total_steps=total_steps, epochs=epochs, steps_per_epoch=steps_per_epoch,
                   resumed_at=completed, num_processes=accelerator.num_processes, distributed=accelerator.distributed_type.value,
                   zero_stage=zero_stage, mixed_precision=accelerator.mixed_precision, global_batch_size=global_batch,
-                  train_samples=len(data["train"]), eval_samples=len(data["validation"]))
+                  train_samples=len(data["train"]), eval_samples=len(data["validation"]),
+                  # weights + optimizer state before any activation: the fixed part of GPU memory
+                  gpu_mem_static_gib=torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None)
     log.info(f"{len(data['train'])} train / {len(data['validation'])} eval rows, {accelerator.num_processes} processes, "
              f"{accelerator.distributed_type} (ZeRO stage {zero_stage}), {total_steps} steps, global batch {global_batch}")
 
@@ -212,13 +240,19 @@ def train(cfg: TrainConfig) -> dict:
     progress = tqdm(total=total_steps, initial=completed, desc="training", disable=not accelerator.is_local_main_process)
     state = dict(completed_steps=completed, epoch=first_epoch)
     results, epoch_times, eval_times = {}, [], []
-    window_loss, window_n, window_start, window_samples, nonfinite = 0.0, 0, time.perf_counter(), 0, 0
+    # Loss sums and non-finite counts stay on the GPU between checks: reading them every step
+    # would make the CPU wait for the GPU each step instead of queueing the next one.
+    window = torch.zeros(2, device=accelerator.device)  # (sum of finite losses, count)
+    bad_run = torch.zeros((), device=accelerator.device)  # consecutive steps with a non-finite loss
+    worst_bad_run = torch.zeros((), device=accelerator.device)  # longest such run since the last check
+    window_start, window_samples = time.perf_counter(), 0
     stopped = False
 
     def checkpoint():
         path = ckpt.save_checkpoint(accelerator, cfg.output_dir, state, cfg.checkpoints_total_limit)
         metrics.write("checkpoint", step=completed, path=str(path))
 
+    profiler = start_profiler(cfg.profile_dir) if cfg.profile_dir and main else None
     model.train()
     for epoch in range(first_epoch, epochs):
         state["epoch"] = epoch
@@ -244,32 +278,39 @@ def train(cfg: TrainConfig) -> dict:
                     ) from None
             window_samples += batch["input_ids"].shape[0] * accelerator.num_processes
             value = loss.detach().float()
-            finite = bool(torch.isfinite(value))
-            if finite:
-                window_loss += value.item()
-                window_n += 1
+            finite = torch.isfinite(value)
+            window += torch.stack([torch.where(finite, value, 0.0), finite.float()])
             if not accelerator.sync_gradients:
                 continue
             completed += 1
             state["completed_steps"] = completed
             progress.update(1)
-            nonfinite = 0 if finite else nonfinite + 1
-            # One small collective per step keeps every rank's decisions identical.
-            flags = accelerator.reduce(torch.tensor([float(stop()), float(nonfinite)], device=accelerator.device), "max")
+            if profiler:
+                profiler.step()
+            bad_run = torch.where(finite, 0.0, bad_run + 1)
+            worst_bad_run = torch.maximum(worst_bad_run, bad_run)
+            # The first step is logged too: it shows the run is alive (and when it got going).
+            log_now = completed % cfg.logging_steps == 0 or completed == total_steps or completed == resumed_at + 1
+            save_now = bool(cfg.checkpointing_steps) and completed % cfg.checkpointing_steps == 0
+            # (a checkpoint is only written right after a check, so it never holds a non-finite step)
+            if not (log_now or save_now or completed % CHECK_EVERY == 0 or completed >= total_steps):
+                continue
+            # One small collective keeps every rank's decisions (stop, give up) identical.
+            flags = accelerator.reduce(torch.stack([torch.tensor(float(stop()), device=accelerator.device),
+                                                    worst_bad_run]), "max").tolist()
+            worst_bad_run.zero_()
             if flags[1] >= patience:
                 metrics.write("error", step=completed, message="non-finite loss")
                 raise TrainingError(
-                    f"the loss was not finite for {int(flags[1])} step(s) at step {completed}: lower --learning_rate, "
+                    f"the loss was not finite for {int(flags[1])} step(s) up to step {completed}: lower --learning_rate, "
                     "add --num_warmup_steps, or use bf16 instead of fp16. Last good checkpoint: "
                     f"{(ckpt.list_checkpoints(cfg.output_dir) or ['none'])[-1]}"
                 )
-            # The first step is logged too: it shows the run is alive (and when it got going).
-            if completed % cfg.logging_steps == 0 or completed == total_steps or completed == resumed_at + 1:
-                stats = torch.tensor([window_loss, window_n], device=accelerator.device)
-                stats = accelerator.reduce(stats, "sum")
+            if log_now:
+                loss_sum, count = accelerator.reduce(window, "sum").tolist()
                 elapsed = time.perf_counter() - window_start
                 entry = dict(step=completed, epoch=round(epoch + (completed - epoch * steps_per_epoch) / steps_per_epoch, 4),
-                             loss=(stats[0] / max(stats[1], 1)).item(), lr=scheduler.get_last_lr()[0],
+                             loss=loss_sum / max(count, 1), lr=scheduler.get_last_lr()[0],
                              samples_per_second=window_samples / elapsed)
                 if torch.cuda.is_available():
                     entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -278,14 +319,15 @@ def train(cfg: TrainConfig) -> dict:
                 if cfg.with_tracking:
                     accelerator.log({"train_loss": entry["loss"], "lr": entry["lr"],
                                      "samples_per_second": entry["samples_per_second"]}, step=completed)
-                window_loss, window_n, window_start, window_samples = 0.0, 0, time.perf_counter(), 0
+                window.zero_()
+                window_start, window_samples = time.perf_counter(), 0
             if flags[0] > 0:
                 checkpoint()
                 metrics.write("stopped", step=completed)
                 log.info(f"stop requested: saved a checkpoint at step {completed}; resume with --resume_from_checkpoint latest")
                 stopped = True
                 break
-            if cfg.checkpointing_steps and completed % cfg.checkpointing_steps == 0:
+            if save_now:
                 checkpoint()
             if completed >= total_steps:
                 break

@@ -302,3 +302,12 @@ def test_post_init_rejects_bad_values(kwargs, argv, needle, capsys):
 def test_valid_hub_and_tracker_settings_pass():
     cfg = TrainConfig(push_to_hub=True, hub_model_id="me/my-bot", report_to="all", with_tracking=True)
     assert cfg.hub_model_id == "me/my-bot"
+
+
+def test_attention_choices_agree_and_are_checked():
+    from finetune import config, model
+
+    assert config.ATTENTION == model.ATTENTION and model.AUTO_ATTENTION in model.ATTENTION[1:]
+    with pytest.raises(SystemExit):
+        parse_args(["--attention", "flash_attention_2"])
+    assert model.configure_attention("eager") == "eager"

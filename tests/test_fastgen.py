@@ -1,5 +1,5 @@
-"""chat/ngram.py bans exactly what transformers' own n-gram processors ban, and generate() with
-``blocking_kwargs`` returns the same sequences as with the built-in processors."""
+"""chat/fastgen.py: its n-gram processors ban exactly what transformers' own ban, and generate()
+with ``fast_kwargs`` (those processors + the beam cache) returns the same sequences as without."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     NoRepeatNGramLogitsProcessor,
 )
 
-from chat.ngram import EncoderNoRepeatNGram, NoRepeatNGram, blocking_kwargs
+from chat.fastgen import BeamCache, EncoderNoRepeatNGram, NoRepeatNGram, fast_kwargs
 from finetune.model import load_model
 
 
@@ -51,19 +51,21 @@ def test_encoder_blocking_bans_the_copied_continuation():
     assert torch.isfinite(out[0, [0, 1, 2, 3, 4, 5, 6, 8, 9]]).all()
 
 
-def test_blocking_kwargs_rewrites_only_the_ngram_rules():
+def test_fast_kwargs_rewrites_only_the_ngram_rules():
     ids = torch.tensor([[1, 2, 3]])
-    out = blocking_kwargs({"num_beams": 4, "no_repeat_ngram_size": 3, "encoder_no_repeat_ngram_size": 2}, ids)
+    out = fast_kwargs({"num_beams": 4, "no_repeat_ngram_size": 3, "encoder_no_repeat_ngram_size": 2}, ids)
     assert out["num_beams"] == 4
     assert out["no_repeat_ngram_size"] == 0 and out["encoder_no_repeat_ngram_size"] == 0
     assert [type(p) for p in out["logits_processor"]] == [NoRepeatNGram, EncoderNoRepeatNGram]
-    plain = blocking_kwargs({"num_beams": 1}, ids)
+    assert isinstance(out["past_key_values"], BeamCache)
+    plain = fast_kwargs({"num_beams": 1}, ids)
     assert "logits_processor" not in plain and plain["no_repeat_ngram_size"] == 0
+    assert "past_key_values" not in plain  # greedy/sampling never reorder a cache
     with pytest.raises(ValueError):
         NoRepeatNGram(0)
 
 
-@pytest.mark.parametrize("num_beams", [1, 4])
+@pytest.mark.parametrize("num_beams", [1, 4, 10])
 def test_generate_gives_the_same_sequences(tiny_path, num_beams):
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     model = load_model(tiny_path).eval()
@@ -74,5 +76,5 @@ def test_generate_gives_the_same_sequences(tiny_path, num_beams):
                   encoder_no_repeat_ngram_size=2, repetition_penalty=1.2, do_sample=False)
     torch.manual_seed(0)
     expected = model.generate(**batch, **kwargs)
-    got = model.generate(**batch, **blocking_kwargs(kwargs, batch["input_ids"]))
+    got = model.generate(**batch, **fast_kwargs(kwargs, batch["input_ids"]))
     assert torch.equal(got, expected)
