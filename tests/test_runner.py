@@ -146,9 +146,9 @@ def test_gpu_commands(tmp_path, monkeypatch, strategy, precision, gpus, bf16, co
 
 def test_readme_gpu_command_prefix(tmp_path):
     readme = (ROOT / "README.md").read_text()
-    line = next(l for l in readme.splitlines() if l.startswith("accelerate launch") and "zero2.yaml --num" in l)
-    documented = shlex.split(line.rstrip("\\"))[2:]  # --config_file ... --num_processes 2 --mixed_precision fp16
-    argv = build_command(RunSpec(num_gpus=2, precision="fp16"), tmp_path)
+    line = next(l for l in readme.splitlines() if l.startswith("accelerate launch") and "/zero2.yaml --num" in l)
+    documented = shlex.split(line.rstrip("\\"))[2:]  # --config_file ... --num_processes 2 --mixed_precision bf16
+    argv = build_command(RunSpec(num_gpus=2, precision="bf16"), tmp_path)
     ours = argv[3:argv.index("--main_process_port")]
     assert ours == documented
 

@@ -1,0 +1,82 @@
+"""finetune/bench.py: its argv is valid CLI input, the max-batch search, and the CPU smoke run
+(the real CLI on the tiny model, both recipes side by side)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import bench
+from finetune.config import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _split(argv):
+    i = argv.index("finetune")
+    return argv[:i], argv[i + 1:]
+
+
+@pytest.mark.parametrize("recipe,strategy,config", [("seed", "zero2", "zero2_seed.yaml"), ("tuned", "zero2", "zero2.yaml"),
+                                                    ("seed", "ddp", "ddp.yaml"), ("tuned", "ddp", "ddp.yaml")])
+def test_gpu_commands_are_the_cli_with_each_recipe(tmp_path, recipe, strategy, config):
+    v = bench.Variant(recipe, strategy, "fixed", 800, 2, evaluate=True)
+    launcher, args = _split(bench.command(v, tmp_path, tmp_path / "out", smoke=False))
+    assert launcher[launcher.index("--config_file") + 1] == f"configs/accelerate/{config}"
+    assert (ROOT / "configs" / "accelerate" / config).is_file()
+    assert launcher[launcher.index("--mixed_precision") + 1] == ("fp16" if recipe == "seed" else "bf16")
+    cfg = parse_args(args)  # every flag the bench passes is a real CLI flag with a valid value
+    assert cfg.per_device_train_batch_size == 800 and cfg.n_val == 1000 and not cfg.save_model
+    assert cfg.val_min_target_length == cfg.val_max_target_length == 64  # replies forced to full length
+    seed = recipe == "seed"
+    assert cfg.pad_to_max_length is seed and cfg.fast_ngram_blocking is not seed and cfg.group_by_length is not seed
+    assert cfg.per_device_eval_batch_size == (100 if seed else 500)
+
+
+def test_max_batch_search_finds_the_largest_fitting_multiple():
+    for limit in (37, 100, 800, 1234, 5000):
+        tried = []
+
+        def fits(batch):
+            tried.append(batch)
+            return batch <= limit
+
+        for estimate in (None, limit, 3 * limit, limit // 2 + 1):
+            tried.clear()
+            assert bench.search_max_batch(fits, start=8, estimate=estimate, step=8) == limit - limit % 8
+            assert len(tried) <= 2 * limit.bit_length() + 2  # logarithmic, not a scan
+            assert all(b % 8 == 0 for b in tried)
+
+
+def test_speedups_pair_recipes_of_the_same_setup():
+    def result(recipe, data, rate, evaluate=None, n=2):
+        v = bench.Variant(recipe, "zero2", data, 800, n)
+        return dict(name=v.name, ok=True, variant=bench.asdict(v), samples_per_second=rate, eval_seconds=evaluate)
+
+    runs = [result("seed", "fixed", 100, 30.0), result("tuned", "fixed", 160, 5.0), result("seed", "realistic", 100),
+            result("tuned", "realistic", 350), result("tuned", "fixed", 85, n=1)]
+    got = bench.speedups(runs)
+    assert got["training samples/s, zero2, fixed"] == pytest.approx(1.6)
+    assert got["evaluation, zero2, fixed (seed s / tuned s)"] == pytest.approx(6.0)
+    assert got["training samples/s, zero2, realistic"] == pytest.approx(3.5)
+    assert got["scaling efficiency 1 -> 2 GPUs"] == pytest.approx(160 / 170)
+
+
+def test_smoke_run_measures_both_recipes(tmp_path, tiny_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "finetune.bench", "--smoke", "--parts", "train", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    runs = {r["variant"]["recipe"]: r for r in report["runs"]}
+    assert set(runs) == {"seed", "tuned"}
+    for r in runs.values():
+        assert r["ok"] and r["samples_per_second"] > 0 and r["eval_seconds"] > 0 and len(r["losses"]) == 4
+        assert r["first_step_seconds"] > 0
+    assert report["speedups"]["training samples/s, zero2, fixed"] > 0
+    table = (out / "results.md").read_text()
+    assert "| seed-zero2-fp32-fixed-b4-x1 |" in table and "| tuned-zero2-fp32-fixed-b4-x1 |" in table
