@@ -136,10 +136,17 @@ class LoadedModel:
         return len(self.tokenizer(text).input_ids)
 
 
+# What a Hub id looks like ("name" or "user/name"); anything else is meant as a local path.
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+
+
 def _resolve_dir(spec: str) -> Path | None:
     """A local model directory for ``spec``: itself, its final/, or the newest RUN/final/."""
     path = Path(spec).expanduser()
     if not path.is_dir():
+        if path.exists() or not _HUB_ID.match(spec) or spec.startswith((".", "~")):
+            # "./runs/x", "/abs/path", "runs/a/final": a path that is not there, not a Hub id
+            raise CheckpointError(f"{spec}: no such model folder")
         return None
     if (path / "config.json").is_file():
         return path
@@ -277,9 +284,12 @@ class ChatEngine:
             context_text = format_context(conv.kind, context)
         except ValueError:
             raise InputError(f"The {conv.kind} needs a context (e.g. a persona sentence).") from None
-        turns = [t for t in (neutralize(clean_text(t, MAX_MESSAGE_CHARS, "message")) for t in conv.turns) if t]
-        if not turns:
+        turns = [neutralize(clean_text(t, MAX_MESSAGE_CHARS, "message")) for t in conv.turns]
+        if not turns or not turns[-1]:
             raise InputError("Type a message first.")
+        # Turns alternate between the user and the bot with no speaker marks: dropping an empty
+        # one (a reply that came out blank) would swap who said every older turn. Keep its place.
+        turns = [t or "..." for t in turns]
 
         def count(source: str) -> int:
             return loaded.count(loaded.prefix + source)
@@ -330,8 +340,13 @@ class ChatEngine:
 
     def stream(self, conv: Conversation, message: str,
                settings: GenerationSettings = PRESETS["fast"]) -> Iterator[tuple[str, Budget]]:
-        """Yield the reply so far as it is generated (once, at the end, for beam search)."""
-        loaded, encoded, budget, kwargs = self._prepare(conv, message, settings)
+        """Yield the reply so far as it is generated (once, at the end, for beam search).
+
+        Bad input raises InputError here, at the call, not at the first ``next()``."""
+        prepared = self._prepare(conv, message, settings)
+        return self._stream(settings, *prepared)
+
+    def _stream(self, settings, loaded, encoded, budget, kwargs) -> Iterator[tuple[str, Budget]]:
         if not settings.streams:
             out = self._generate(loaded, encoded, kwargs)
             yield self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget

@@ -766,3 +766,26 @@ def test_swap_mid_stream_finishes_on_the_old_model(fresh_engine, demo, tiny_path
     assert after != demo_reply
     assert_clean(after)
     assert [t for t, _ in fresh_engine.stream(DOGS, HELLO)][-1] == after
+
+
+@pytest.mark.parametrize("spec", ["./runs/no-such-run", "/tmp/no/such/model", "runs/a/final", "~/missing-model"])
+def test_mistyped_local_path_is_not_sent_to_the_hub(spec, fresh_engine):
+    before = fresh_engine.current
+    with pytest.raises(CheckpointError, match="no such model folder"):
+        load_checkpoint(spec)
+    with pytest.raises(CheckpointError, match="no such model folder"):
+        fresh_engine.swap(spec)
+    assert fresh_engine.current is before
+
+
+def test_empty_turn_keeps_speaker_alternation(engine, demo):
+    conv = Conversation(kind="none", context="", turns=["hi there", "", "do you like jazz?"])
+    encoded, budget = engine.build_input(conv)
+    source = demo.tokenizer.decode(encoded["input_ids"][0], skip_special_tokens=False)
+    assert source.count("<s>") == 2 and "hi there </s> <s> ... </s> <s> do you like jazz?" in source
+
+
+def test_stream_refuses_bad_input_at_the_call(engine, generate_calls):
+    with pytest.raises(InputError):
+        engine.stream(Conversation(kind="none", context="", turns=[]), "   ")  # not iterated
+    assert generate_calls == []
