@@ -35,6 +35,7 @@ import logging
 import os
 import platform
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -137,8 +138,6 @@ def summarize(events: list[dict], launched: float, v: Variant) -> dict:
 def run(v: Variant, data_dir: Path, work: Path, smoke: bool, timeout: float, tag: str = "") -> dict:
     out_dir = work / f"{tag}{v.name}"
     if out_dir.exists():  # a rerun of the same variant starts clean
-        import shutil
-
         shutil.rmtree(out_dir)
     argv = command(v, data_dir, out_dir, smoke)
     log.info("%s: %s", v.name, " ".join(argv[2:]))

@@ -42,7 +42,7 @@ class TrainConfig:
     val_min_target_length: int = _doc("Min generated length at evaluation.", default=20)
     pad_to_max_length: bool = _doc("Pad every batch to the max lengths (seed); default pads per batch.", default=False)
     attention: str = _doc("Attention kernels: auto (fastest measured), sdpa, eager, sdpa-flash, sdpa-efficient, sdpa-cudnn.", default="auto")
-    group_by_length: bool = _doc("Batch training rows of similar length together (less padding; order still shuffled).", default=True)
+    group_by_length: bool = _doc("Batch rows of similar length together: less padding, but slower convergence per step on the sample data (docs/benchmarks.md).", default=False)
     dataloader_num_workers: int | None = _doc("Batch-collating worker processes (default: 2 on GPUs, 0 on CPU).", default=None)
     # --- evaluation
     num_beams: int = _doc("Beams for evaluation generation.", default=10)

@@ -196,14 +196,17 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
     With per-batch padding, a batch costs as much as its longest row; random batches of short
     dialogues with a few long ones pay for the long ones everywhere. Each epoch: shuffle, cut
     into mega-batches of ``mega`` groups, sort each by length, cut into groups and shuffle the
-    groups (a short last group stays last, so the loader's cuts line up). The group is one
+    groups (a short last group stays last, so the loader's cuts line up). Mega-batches are
+    small (4 groups): groups of near-equal length are also groups of near-equal kinds of
+    dialogue, and on the sample data 50-group mega-batches (transformers' choice) converged
+    clearly worse per step; 4 keeps most of the padding saved. The group is one
     optimizer step's rows on all processes (micro-batch x processes): the loader hands
     consecutive batches to different processes, and one process with longer rows would make
     the others wait at every gradient exchange. The order depends only on ``seed`` and the
     epoch (``set_epoch``), so a resumed run sees the same one.
     """
 
-    def __init__(self, lengths: list[int], group_size: int, seed: int, mega: int = 50):
+    def __init__(self, lengths: list[int], group_size: int, seed: int, mega: int = 4):
         self.lengths, self.group_size, self.seed, self.mega = lengths, group_size, seed, mega
         self.epoch = 0
 

@@ -378,7 +378,7 @@ def test_length_grouped_sampler_orders_by_length_and_is_reproducible():
 
     rng = random.Random(0)
     lengths = [rng.randint(5, 200) for _ in range(1003)]
-    sampler = LengthGroupedSampler(lengths, group_size=10, seed=3, mega=5)
+    sampler = LengthGroupedSampler(lengths, group_size=10, seed=3, mega=5)  # a bigger window than the default, for the test
     first = list(sampler)
     assert sorted(first) == list(range(len(lengths)))  # every row once per epoch
     assert list(sampler) == first  # the order depends on seed and epoch only (resume relies on it)

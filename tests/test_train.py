@@ -162,3 +162,20 @@ def test_non_finite_loss_stops_the_run(tiny_path, tmp_path):
     assert "loss was not finite" in proc.stderr
     assert events(out)[-1]["event"] == "error"
     assert not (out / "final").exists()
+
+
+def test_length_grouped_run_resumes_exactly(tiny_path, tmp_path):
+    """--group_by_length's order is a function of seed and epoch: a run resumed mid-epoch ends
+    with the same weights as an uninterrupted one."""
+    flags = ["--group_by_length", "--n_train", "64", "--per_device_train_batch_size", "4", "--max_train_steps", "12"]
+    full = tmp_path / "full"
+    proc = launch([*flags, "--output_dir", str(full), "--checkpointing_steps", "3", "--checkpoints_total_limit", "10"],
+                  launcher=accelerate("--main_process_port", str(free_port())))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = tmp_path / "resumed"
+    proc = launch([*flags, "--output_dir", str(resumed), "--resume_from_checkpoint", str(full / "checkpoints" / "step_3")],
+                  launcher=accelerate("--main_process_port", str(free_port())))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reference = load_file(full / "final" / "model.safetensors")
+    got = load_file(resumed / "final" / "model.safetensors")
+    assert max((reference[k] - got[k]).abs().max().item() for k in reference) < 1e-5
