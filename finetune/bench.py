@@ -209,11 +209,10 @@ def write_data(data_dir: Path, smoke: bool) -> dict:
         realistic = [rows[i % len(rows)] for i in range(n)]
         fixed = [dict(texts=" ".join(rng.choices(words, k=source_words)), labels=" ".join(rng.choices(words, k=reply_words)))
                  for _ in range(n)]
+        sample = random.Random(1).sample(range(n), min(n, 500))
         for name, data in (("realistic", realistic), ("fixed", fixed)):
             with open(data_dir / f"{name}_{split}.jsonl", "w") as fh:
                 fh.writelines(json.dumps(r) + "\n" for r in data)
-        sample = random.Random(1).sample(range(n), min(n, 500))
-        for name, data in (("realistic", realistic), ("fixed", fixed)):
             src = tokenizer(["chatbot: " + data[i]["texts"] for i in sample]).input_ids
             tgt = tokenizer(text_target=[data[i]["labels"] for i in sample]).input_ids
             stats[f"{name}_{split}"] = dict(mean_source_tokens=statistics.mean(min(len(x), 128) for x in src),
@@ -274,19 +273,23 @@ def plan(parts: list[str], gpus: int, batch: int, tuned_batch: int, smoke: bool)
     return out
 
 
-def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, batch: int, timeout: float) -> list[dict]:
-    """Largest micro-batch per GPU for seed ZeRO-2/DDP (fp16) and tuned ZeRO-2 (bf16)."""
-    import torch
+def estimate_max_batch(result: dict, capacity_gib: float) -> int | None:
+    """Largest micro-batch a run's memory suggests: weights and optimizer state (measured before
+    the first step) plus per-row activations (linear in the batch), within 97% of the GPU."""
+    if not result.get("peak_gib") or result.get("static_gib") is None:
+        return None
+    per_row = (result["peak_gib"] - result["static_gib"]) / result["variant"]["batch"]
+    return int((0.97 * capacity_gib - result["static_gib"]) / per_row)
 
-    capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
+
+def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, timeout: float) -> list[dict]:
+    """Largest micro-batch per GPU for seed ZeRO-2/DDP (fp16) and tuned ZeRO-2 (bf16), starting
+    from the timed fixed-length run of the same setup (its batch fits; its memory gives a guess)."""
     found = []
     for recipe, strategy in (("seed", "zero2"), ("seed", "ddp"), ("tuned", "zero2")):
-        base = Variant(recipe, strategy, "fixed", batch, gpus, steps=3)
-        measured = next((r for r in results if r["name"] == replace(base, steps=12).name and r.get("peak_gib")), None)
-        estimate = None
-        if measured and measured.get("static_gib") is not None:
-            per_sample = (measured["peak_gib"] - measured["static_gib"]) / batch
-            estimate = int((0.97 * capacity - measured["static_gib"]) / per_sample)
+        measured = next((r for r in results if r["ok"] and (r["variant"]["recipe"], r["variant"]["strategy"],
+                         r["variant"]["data"], r["variant"]["processes"]) == (recipe, strategy, "fixed", gpus)), None)
+        base = Variant(recipe, strategy, "fixed", measured["variant"]["batch"] if measured else 8, gpus, steps=3)
         probes = []
 
         def fits(b: int) -> bool:
@@ -294,7 +297,8 @@ def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, batc
             probes.append({k: r.get(k) for k in ("name", "ok", "peak_gib", "oom", "error")})
             return r["ok"]
 
-        best = search_max_batch(fits, start=batch if measured and measured["ok"] else 8, estimate=estimate, step=16)
+        estimate = measured.get("max_batch_estimate") if measured else None
+        best = search_max_batch(fits, start=base.batch, estimate=estimate, step=16)
         found.append(dict(recipe=recipe, strategy=strategy, precision=base.precision, max_batch=best,
                           estimate=estimate, probes=probes))
         log.info("max batch %s %s: %d", recipe, strategy, best)
@@ -382,17 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     for v in plan(parts, env["gpus"], batch, 4 if args.smoke else args.tuned_batch, args.smoke):
         report["runs"].append(run(v, data_dir, work, args.smoke, args.timeout))
         (out / "results.json").write_text(json.dumps(report, indent=2))  # partial results survive a kill
-    if "maxbatch" in parts and not args.smoke:
-        report["max_batch"] = max_batches(report["runs"], data_dir, work, env["gpus"], batch, args.timeout)
-    report["speedups"] = speedups(report["runs"])
     if env["gpus"]:
         import torch
 
         capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
-        for r in report["runs"]:  # memory grows linearly with the batch: weights/state + per-row activations
-            if r.get("peak_gib") and r.get("static_gib") is not None:
-                per_row = (r["peak_gib"] - r["static_gib"]) / r["variant"]["batch"]
-                r["max_batch_estimate"] = int((0.97 * capacity - r["static_gib"]) / per_row)
+        for r in report["runs"]:
+            r["max_batch_estimate"] = estimate_max_batch(r, capacity)
+    if "maxbatch" in parts and not args.smoke:
+        report["max_batch"] = max_batches(report["runs"], data_dir, work, env["gpus"], args.timeout)
+    report["speedups"] = speedups(report["runs"])
     report["matmul_tflops"] = matmul_tflops()
     if report["matmul_tflops"]:
         for r in report["runs"]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 DEFAULT_MODEL = "facebook/blenderbot-400M-distill"
-# finetune.model.ATTENTION (not imported: config must stay light for the runner and the app)
+# Attention choices (finetune.model.configure_attention applies them; defined here, light, for validation)
 ATTENTION = ("auto", "sdpa", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 DEFAULT_DATASET = "smangrul/MuDoConv"
 TRACKERS = ("tensorboard", "wandb", "trackio", "all")

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from chat.prompt import SPECIAL_TOKENS
+from finetune.config import ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,6 @@ def load_tokenizer(name_or_path: str):
 # kernel (plus the plain math one as a fallback for shapes it cannot do); "eager" is
 # transformers' original attention. "auto" is the fastest one measured for this model's
 # shapes (32 heads of 40 dims over 128/64 tokens) in docs/benchmarks.md.
-ATTENTION = ("auto", "sdpa", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 AUTO_ATTENTION = "sdpa"
 
 

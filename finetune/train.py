@@ -128,7 +128,8 @@ def start_profiler(folder: str):
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGINT or by a STOP file in the output dir; checked collectively each step."""
+    """Set by SIGTERM/SIGINT or by a STOP file in the output dir; checked collectively at each
+    check point of the loop (log steps, checkpoints, and every CHECK_EVERY steps)."""
 
     def __init__(self, output_dir: str):
         self.file = Path(output_dir) / ckpt.STOP_FILE
@@ -356,6 +357,8 @@ def train(cfg: TrainConfig) -> dict:
         if completed < total_steps:  # the last epoch's state is the final model below
             checkpoint()
     progress.close()
+    if profiler:  # a run that ends inside steps 3-5 writes the steps it recorded
+        profiler.stop()
     if stopped:
         accelerator.end_training()
         return {"stopped_at": completed}

@@ -80,3 +80,11 @@ def test_smoke_run_measures_both_recipes(tmp_path, tiny_path):
     assert report["speedups"]["training samples/s, zero2, fixed"] > 0
     table = (out / "results.md").read_text()
     assert "| seed-zero2-fp32-fixed-b4-x1 |" in table and "| tuned-zero2-fp32-fixed-b4-x1 |" in table
+
+
+def test_max_batch_estimate_is_linear_in_the_batch():
+    v = bench.Variant("seed", "ddp", "fixed", 800, 2)
+    result = dict(variant=bench.asdict(v), peak_gib=52.0, static_gib=2.0)
+    # 50 GiB of activations for 800 rows; (97 - 2) / (50 / 800) rows fit in 97% of 100 GiB
+    assert bench.estimate_max_batch(result, 100.0) == 1520
+    assert bench.estimate_max_batch(dict(result, peak_gib=None), 100.0) is None
