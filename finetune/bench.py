@@ -172,6 +172,9 @@ def search_max_batch(fits, start: int, estimate: int | None = None, step: int = 
     """
     good, bad = start, None
     guess = estimate if estimate and estimate > start else 2 * start
+    # With an estimate the answer is usually near it: widen by 1/8 past it, not by 2x (each
+    # probe on the GPUs is a full launch, ~40 s).
+    grow = (lambda b: b + max(step, b // 8)) if estimate else (lambda b: 2 * b)
     while True:
         guess = min(guess - guess % step, limit)
         if guess <= good:
@@ -181,7 +184,7 @@ def search_max_batch(fits, start: int, estimate: int | None = None, step: int = 
         else:
             bad = guess
         if bad is None:
-            guess = 2 * good
+            guess = grow(good)
         elif bad - good <= step:
             return good
         else:
@@ -282,11 +285,16 @@ def estimate_max_batch(result: dict, capacity_gib: float) -> int | None:
     return int((0.97 * capacity_gib - result["static_gib"]) / per_row)
 
 
-def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, timeout: float) -> list[dict]:
+MAX_BATCH_SETUPS = ("seed-zero2", "seed-ddp", "tuned-zero2")
+
+
+def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, timeout: float,
+                setups: tuple[str, ...] = MAX_BATCH_SETUPS, on_found=None) -> list[dict]:
     """Largest micro-batch per GPU for seed ZeRO-2/DDP (fp16) and tuned ZeRO-2 (bf16), starting
-    from the timed fixed-length run of the same setup (its batch fits; its memory gives a guess)."""
+    from the timed fixed-length run of the same setup (its batch fits; its memory gives a guess).
+    ``on_found(found)`` is called after each search, so a caller can save partial results."""
     found = []
-    for recipe, strategy in (("seed", "zero2"), ("seed", "ddp"), ("tuned", "zero2")):
+    for recipe, strategy in (s.split("-") for s in setups):
         measured = next((r for r in results if r["ok"] and (r["variant"]["recipe"], r["variant"]["strategy"],
                          r["variant"]["data"], r["variant"]["processes"]) == (recipe, strategy, "fixed", gpus)), None)
         base = Variant(recipe, strategy, "fixed", measured["variant"]["batch"] if measured else 8, gpus, steps=3)
@@ -298,9 +306,11 @@ def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, time
             return r["ok"]
 
         estimate = measured.get("max_batch_estimate") if measured else None
-        best = search_max_batch(fits, start=base.batch, estimate=estimate, step=16)
+        best = search_max_batch(fits, start=base.batch, estimate=estimate, step=32)
         found.append(dict(recipe=recipe, strategy=strategy, precision=base.precision, max_batch=best,
                           estimate=estimate, probes=probes))
+        if on_found:
+            on_found(found)
         log.info("max batch %s %s: %d", recipe, strategy, best)
     return found
 
@@ -365,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuned_batch", type=int, default=1600, help="Micro-batch per GPU of the tuned ZeRO-2 runs.")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke mode: tiny model, a few steps, one process.")
     parser.add_argument("--timeout", type=float, default=600, help="Seconds before one run is abandoned.")
+    parser.add_argument("--max_batch_setups", default=",".join(MAX_BATCH_SETUPS),
+                        help=f"Setups the maxbatch part searches, a subset of {', '.join(MAX_BATCH_SETUPS)}.")
+    parser.add_argument("--reuse", type=Path, help="results.json of an earlier run on the same machine: its timed "
+                        "runs give the maxbatch part its starting batch and estimate when `train` is not rerun.")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -373,6 +387,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--parts takes a comma-separated subset of {', '.join(PARTS)}; got {args.parts!r}")
     if args.batch < 1 or args.tuned_batch < 1:
         parser.error("--batch and --tuned_batch must be >= 1")
+    setups = tuple(x.strip() for x in args.max_batch_setups.split(",") if x.strip())
+    if not setups or set(setups) - set(MAX_BATCH_SETUPS):
+        parser.error(f"--max_batch_setups takes a subset of {', '.join(MAX_BATCH_SETUPS)}; got {args.max_batch_setups!r}")
+    reused = []
+    if args.reuse:
+        try:
+            reused = json.loads(args.reuse.read_text())["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            parser.error(f"--reuse {args.reuse}: not a readable results.json ({err})")
     env = environment()
     if not args.smoke and env["gpus"] == 0:
         parser.error("no GPU found: the benchmark needs CUDA GPUs (use --smoke for the CPU check)")
@@ -393,7 +416,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in report["runs"]:
             r["max_batch_estimate"] = estimate_max_batch(r, capacity)
     if "maxbatch" in parts and not args.smoke:
-        report["max_batch"] = max_batches(report["runs"], data_dir, work, env["gpus"], args.timeout)
+        if reused:
+            report["max_batch_starts_from"] = str(args.reuse)
+
+        def save(found: list) -> None:
+            report["max_batch"] = found
+            (out / "results.json").write_text(json.dumps(report, indent=2))
+
+        max_batches(report["runs"] + reused, data_dir, work, env["gpus"], args.timeout, setups, on_found=save)
     report["speedups"] = speedups(report["runs"])
     report["matmul_tflops"] = matmul_tflops()
     if report["matmul_tflops"]:

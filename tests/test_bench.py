@@ -88,3 +88,27 @@ def test_max_batch_estimate_is_linear_in_the_batch():
     # 50 GiB of activations for 800 rows; (97 - 2) / (50 / 800) rows fit in 97% of 100 GiB
     assert bench.estimate_max_batch(result, 100.0) == 1520
     assert bench.estimate_max_batch(dict(result, peak_gib=None), 100.0) is None
+
+
+def test_max_batch_search_needs_few_probes_near_a_good_estimate():
+    # Each GPU probe is a full launch, so a close estimate must save most of them.
+    for limit in (1900, 2003, 2150):
+        tried = []
+
+        def fits(batch):
+            tried.append(batch)
+            return batch <= limit
+
+        assert bench.search_max_batch(fits, start=800, estimate=2003, step=32) == limit - limit % 32
+        assert len(tried) <= 6, tried
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max_batch_setups", "seed-zero3"], "--max_batch_setups takes"),
+    (["--reuse", "no/such/results.json"], "not a readable results.json"),
+])
+def test_bad_max_batch_options_are_refused_before_any_work(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--out", str(tmp_path / "b"), "--parts", "maxbatch", *argv])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
