@@ -9,6 +9,8 @@ of serving them one by one (measured in ``python -m chat.bench``). Streaming kee
 
 from __future__ import annotations
 
+import collections
+import logging
 import queue
 import threading
 import time
@@ -21,6 +23,8 @@ from chat.fastgen import fast_kwargs
 from transformers.generation.streamers import BaseStreamer
 
 from chat.optimize import optimization_of
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +81,28 @@ def _pad(encodings: list[dict], pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def _cuda_graph_thread_state() -> None:
+    """Let this thread replay compiled CUDA graphs (the GPU decoding of ``chat.fastgen``).
+
+    torch before 2.12 sets up CUDA-graph trees' per-thread state only in the thread that first
+    imports the module, so in this worker thread compiled decoding failed with an AssertionError
+    in ``cudagraph_trees.get_obj`` (seen with torch 2.11 on an H200). This repeats that set-up,
+    as newer torch does itself for every thread."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        from torch._inductor import cudagraph_trees as trees
+
+        if hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+            return
+        trees.local.tree_manager_containers = {}
+        trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
+        torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
+        torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
+    except (ImportError, AttributeError) as err:  # a torch whose internals moved: decoding still works eagerly
+        log.warning("could not prepare CUDA-graph state for the chat worker thread: %s", err)
+
+
 class Batcher:
     """One worker thread that runs generate() for queued requests, batching compatible ones."""
 
@@ -92,6 +118,7 @@ class Batcher:
         return request.future
 
     def _loop(self) -> None:
+        _cuda_graph_thread_state()
         while True:
             first = self._held.pop(0) if self._held else self._queue.get()
             batch = [first]
@@ -124,7 +151,7 @@ class Batcher:
                 torch.manual_seed(seed)
             inputs = {k: v.to(model.device) for k, v in _pad([r.encoded for r in batch], tokenizer.pad_token_id).items()}
             with torch.inference_mode():
-                out = model.generate(**inputs, streamer=fan, **fast_kwargs(kwargs, inputs["input_ids"]))
+                out = model.generate(**inputs, streamer=fan, **fast_kwargs(kwargs, inputs["input_ids"], cuda_graphs=True))
         except BaseException as err:  # every waiting request learns about it
             if fan:
                 fan.end()

@@ -67,7 +67,7 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
     start = time.perf_counter()
     engine = ChatEngine(load_checkpoint(spec, optimize=optimize), f"bench {spec}")
     load_s = time.perf_counter() - start
-    engine.warm_up()  # compiles the GPU static-cache paths once, as the app does at start-up
+    engine.warm_up()  # compiles the GPU CUDA-graph decoding once, as ChatEngine.start does
     result = dict(optimize=optimize, load_seconds=load_s, device=str(engine.current.model.device))
     for name, preset in PRESETS.items():
         settings = replace(preset, min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)

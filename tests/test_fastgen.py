@@ -61,6 +61,8 @@ def test_fast_kwargs_rewrites_only_the_ngram_rules():
     plain = fast_kwargs({"num_beams": 1}, ids)
     assert "logits_processor" not in plain and plain["no_repeat_ngram_size"] == 0
     assert "past_key_values" not in plain  # greedy/sampling never reorder a cache
+    # CUDA graphs (the static cache) are asked for by serving only, and only happen on a GPU.
+    assert "cache_implementation" not in fast_kwargs({"num_beams": 1}, ids, cuda_graphs=True)
     with pytest.raises(ValueError):
         NoRepeatNGram(0)
 
@@ -78,3 +80,17 @@ def test_generate_gives_the_same_sequences(tiny_path, num_beams):
     expected = model.generate(**batch, **kwargs)
     got = model.generate(**batch, **fast_kwargs(kwargs, batch["input_ids"]))
     assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decoding_gives_the_same_sequences(tiny_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model = load_model(tiny_path).eval().cuda()
+    kwargs = dict(num_beams=1, max_new_tokens=24, min_new_tokens=24, no_repeat_ngram_size=3, repetition_penalty=1.2)
+    for text in ["chatbot: hello there, how are you?", "chatbot: your persona: i like jazz. </s>  <s> hi"]:
+        batch = tokenizer([text], return_tensors="pt").to("cuda")
+        expected = model.generate(**batch, **fast_kwargs(kwargs, batch["input_ids"]))
+        graphed = fast_kwargs(kwargs, batch["input_ids"], cuda_graphs=True)
+        assert graphed["cache_implementation"] == "static"
+        assert torch.equal(model.generate(**batch, **graphed), expected)
