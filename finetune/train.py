@@ -107,13 +107,18 @@ def make_optimizer(accelerator, model, cfg, total_steps: int):
 
 def start_profiler(folder: str):
     """torch.profiler over optimizer steps 3-5; tables sorted by device and by CPU time."""
+    out = Path(folder)
+    try:  # fail now, with a clear message, not at step 5 after minutes of training
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").touch()
+        (out / ".write-test").unlink()
+    except OSError as err:
+        raise TrainingError(f"--profile_dir {folder}: cannot write there ({err.strerror or err})") from None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
 
     def write(prof):
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
         for key in ("cuda_time_total", "cpu_time_total"):
             if key == "cuda_time_total" and not torch.cuda.is_available():

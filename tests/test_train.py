@@ -179,3 +179,15 @@ def test_length_grouped_run_resumes_exactly(tiny_path, tmp_path):
     reference = load_file(full / "final" / "model.safetensors")
     got = load_file(resumed / "final" / "model.safetensors")
     assert max((reference[k] - got[k]).abs().max().item() for k in reference) < 1e-5
+
+
+def test_unwritable_profile_dir_fails_before_training(tmp_path):
+    from finetune.train import TrainingError, start_profiler
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(TrainingError, match="--profile_dir .*cannot write there"):
+        start_profiler(str(blocker / "profile"))
+    profiler = start_profiler(str(tmp_path / "profile"))  # a writable folder starts a profiler
+    profiler.stop()
+    assert (tmp_path / "profile").is_dir() and not list((tmp_path / "profile").iterdir())
