@@ -108,6 +108,7 @@ class Batcher:
 
     def __init__(self, window_s: float = 0.01, max_batch: int = 8):
         self.window_s, self.max_batch = window_s, max_batch
+        self.cuda_graphs = True  # on a GPU, greedy/sampling as CUDA graphs (chat.fastgen); off if they fail
         self._queue: queue.Queue[Request] = queue.Queue()
         self._held: list[Request] = []  # taken from the queue but not compatible with the last batch
         threading.Thread(target=self._loop, daemon=True, name="chat-batcher").start()
@@ -151,7 +152,7 @@ class Batcher:
                 torch.manual_seed(seed)
             inputs = {k: v.to(model.device) for k, v in _pad([r.encoded for r in batch], tokenizer.pad_token_id).items()}
             with torch.inference_mode():
-                out = model.generate(**inputs, streamer=fan, **fast_kwargs(kwargs, inputs["input_ids"], cuda_graphs=True))
+                out = model.generate(**inputs, streamer=fan, **fast_kwargs(kwargs, inputs["input_ids"], self.cuda_graphs))
         except BaseException as err:  # every waiting request learns about it
             if fan:
                 fan.end()

@@ -275,16 +275,22 @@ class ChatEngine:
         loaded = loaded or self._current
         if loaded.model.device.type != "cuda" or os.environ.get("CHAT_CUDA_GRAPHS", "1") == "0":
             return
+        if not self._batcher.cuda_graphs:
+            return
         log.info("compiling GPU decoding for %s (once, ~30 s)", loaded.name)
         kwargs = PRESETS["fast"].generate_kwargs()
         messages = ["hello", "hello there, how has your day been so far? mine was long."]
-        for message in messages:
-            encoded, _ = self.build_input(Conversation(turns=[message]), loaded)
-            self._generate(loaded, encoded, kwargs)
-        batch = [self.build_input(Conversation(turns=[f"hello {'and ' * i}bye"]), loaded)[0]
-                 for i in range(self._batcher.max_batch)]
-        for future in [self._batcher.submit(loaded, encoded, kwargs) for encoded in batch]:
-            future.result()
+        try:
+            for message in messages:
+                encoded, _ = self.build_input(Conversation(turns=[message]), loaded)
+                self._generate(loaded, encoded, kwargs)
+            batch = [self.build_input(Conversation(turns=[f"hello {'and ' * i}bye"]), loaded)[0]
+                     for i in range(self._batcher.max_batch)]
+            for future in [self._batcher.submit(loaded, encoded, kwargs) for encoded in batch]:
+                future.result()
+        except Exception as err:  # e.g. no compiler for Triton: serve as before, only slower
+            log.warning("CUDA-graph decoding failed (%s: %s); serving without it", type(err).__name__, err)
+            self._batcher.cuda_graphs = False
 
     # --- input
     def build_input(self, conv: Conversation, loaded: LoadedModel | None = None) -> tuple[dict, Budget]:
