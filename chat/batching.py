@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -18,10 +19,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-
-from chat.fastgen import fast_kwargs
 from transformers.generation.streamers import BaseStreamer
 
+from chat.fastgen import fast_kwargs
 from chat.optimize import optimization_of
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,9 @@ class Batcher:
 
     def __init__(self, window_s: float = 0.01, max_batch: int = 8):
         self.window_s, self.max_batch = window_s, max_batch
-        self.cuda_graphs = True  # on a GPU, greedy/sampling as CUDA graphs (chat.fastgen); off if they fail
+        # On a GPU, greedy/sampling as CUDA graphs (chat.fastgen) unless CHAT_CUDA_GRAPHS=0;
+        # the engine turns it off if compiling them fails.
+        self.cuda_graphs = os.environ.get("CHAT_CUDA_GRAPHS", "1") != "0"
         self._queue: queue.Queue[Request] = queue.Queue()
         self._held: list[Request] = []  # taken from the queue but not compatible with the last batch
         threading.Thread(target=self._loop, daemon=True, name="chat-batcher").start()

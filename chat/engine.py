@@ -273,8 +273,7 @@ class ChatEngine:
         before users wait for it: two input lengths and a full batch, so every later shape is
         covered by the dynamic-shape graph. ~20-40 s once; nothing to do on a CPU."""
         loaded = loaded or self._current
-        if (loaded.model.device.type != "cuda" or os.environ.get("CHAT_CUDA_GRAPHS", "1") == "0"
-                or not self._batcher.cuda_graphs):
+        if loaded.model.device.type != "cuda" or not self._batcher.cuda_graphs:
             return
         log.info("compiling GPU decoding for %s (once, ~30 s)", loaded.name)
         kwargs = PRESETS["fast"].generate_kwargs()

@@ -25,10 +25,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessor, LogitsProcessorList
+from transformers.generation import utils as generation_utils
+
+# generate()'s keyword for a cache object: "cache" in newer transformers, which warns about (and
+# from 5.40 drops) the old "past_key_values".
+CACHE_KWARG = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 def _ban(scores: torch.Tensor, matches: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -98,9 +101,9 @@ class BeamCache(EncoderDecoderCache):
 
 def fast_kwargs(kwargs: dict, input_ids: torch.LongTensor, cuda_graphs: bool = False) -> dict:
     """generate() kwargs with the n-gram rules done by the processors above, for beam search
-    the cache above, and with ``cuda_graphs`` on a GPU (unless CHAT_CUDA_GRAPHS=0) the static
-    cache for greedy and sampling. Serving asks for graphs; evaluation does not (its batches
-    change shape every call, and each new shape would compile).
+    the cache above, and with ``cuda_graphs`` on a GPU the static cache for greedy and
+    sampling. Serving asks for graphs; evaluation does not (its batches change shape every
+    call, and each new shape would compile).
 
     The n-gram sizes are set to 0 (not dropped) so that a model's own generation_config, which
     for BlenderBot sets both to 3, cannot switch transformers' slow versions back on.
@@ -117,8 +120,8 @@ def fast_kwargs(kwargs: dict, input_ids: torch.LongTensor, cuda_graphs: bool = F
     if processors:
         out["logits_processor"] = processors
     if (out.get("num_beams") or 1) > 1:
-        if "past_key_values" not in out:
-            out["past_key_values"] = BeamCache(DynamicCache(), DynamicCache())
-    elif cuda_graphs and input_ids.device.type == "cuda" and os.environ.get("CHAT_CUDA_GRAPHS", "1") != "0":
+        if "past_key_values" not in out and "cache" not in out:
+            out[CACHE_KWARG] = BeamCache(DynamicCache(), DynamicCache())
+    elif cuda_graphs and input_ids.device.type == "cuda":
         out.setdefault("cache_implementation", "static")
     return out

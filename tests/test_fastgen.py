@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     NoRepeatNGramLogitsProcessor,
 )
 
-from chat.fastgen import BeamCache, EncoderNoRepeatNGram, NoRepeatNGram, fast_kwargs
+from chat.fastgen import CACHE_KWARG, BeamCache, EncoderNoRepeatNGram, NoRepeatNGram, fast_kwargs
 from finetune.model import load_model
 
 
@@ -57,10 +57,10 @@ def test_fast_kwargs_rewrites_only_the_ngram_rules():
     assert out["num_beams"] == 4
     assert out["no_repeat_ngram_size"] == 0 and out["encoder_no_repeat_ngram_size"] == 0
     assert [type(p) for p in out["logits_processor"]] == [NoRepeatNGram, EncoderNoRepeatNGram]
-    assert isinstance(out["past_key_values"], BeamCache)
+    assert isinstance(out[CACHE_KWARG], BeamCache)
     plain = fast_kwargs({"num_beams": 1}, ids)
     assert "logits_processor" not in plain and plain["no_repeat_ngram_size"] == 0
-    assert "past_key_values" not in plain  # greedy/sampling never reorder a cache
+    assert CACHE_KWARG not in plain and "past_key_values" not in plain  # greedy/sampling never reorder a cache
     # CUDA graphs (the static cache) are asked for by serving only, and only happen on a GPU.
     assert "cache_implementation" not in fast_kwargs({"num_beams": 1}, ids, cuda_graphs=True)
     with pytest.raises(ValueError):
