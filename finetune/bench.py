@@ -9,8 +9,8 @@ so it times exactly what users run. Two recipes, always in the same invocation:
 
 * ``seed``: the seed's ZeRO-2 JSON (fp16, torch Adam and WarmupDecayLR inside DeepSpeed), every
   row padded to 128/64, transformers' own n-gram blocking, no loader workers;
-* ``tuned``: the project's defaults (configs/ds_zero2.json, bf16, fused AdamW, per-batch padding
-  with length-grouped batches, tensorized n-gram blocking, loader workers).
+* ``tuned``: the project's defaults (configs/ds_zero2.json, bf16, fused AdamW, per-batch padding,
+  tensorized n-gram blocking, loader workers).
 
 Data: ``fixed`` rows are longer than 128/64 tokens, so every row is truncated to exactly the
 seed's lengths and padding cannot matter; ``realistic`` rows come from the sample-data generator
