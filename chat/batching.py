@@ -3,7 +3,7 @@ a few milliseconds of each other run as one ``generate`` call.
 
 Decoding one token costs about the same for 1 row as for 8 (on a CPU the weights are read from
 memory once per step either way), so serving 8 chats together is several times the throughput
-of serving them one by one (measured in ``python -m chat.bench``). Streaming keeps working: a
+of serving them one by one (measured in ``python -m bench.chat``). Streaming keeps working: a
 ``FanOutStreamer`` hands each row's tokens to that request's own ``TextIteratorStreamer``.
 """
 

@@ -21,22 +21,19 @@ import torch
 from transformers import AutoConfig, GenerationConfig, TextIteratorStreamer
 
 from chat.batching import Batcher
+from chat.layout import DEFAULT_MODEL, DEMO_DIR, FINAL, TRAINING_ARGS_FILE, is_hub_id, list_finals
+from chat.model import ModelLoadError, load_model, load_tokenizer, resolve
 from chat.optimize import CPU_DEFAULT, OPTIMIZE_MODES, optimize_for_cpu
-from chat.prompt import KINDS, fit_source, format_context, join_source, neutralize
-from finetune.checkpoint import FINAL, TRAINING_ARGS_FILE, list_finals
-from finetune.model import ModelLoadError, load_model, load_tokenizer, resolve
+from chat.prompt import CONTROL_RE, KINDS, fit_source, format_context, neutralize
 
 log = logging.getLogger(__name__)
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo_model"
-DEFAULT_MODEL = "facebook/blenderbot-400M-distill"
 # The seed fine-tuned with the prefix "chatbot: " and Chat-E spoke to its model with it. A
 # checkpoint without training_args.json (the base model) gets this one; set CHAT_SOURCE_PREFIX
 # to change it (e.g. to "" for the untouched base model).
 BASE_PREFIX = "chatbot: "
 MAX_MESSAGE_CHARS = 1000  # server-side limits on user text
 MAX_CONTEXT_CHARS = 600
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 class CheckpointError(RuntimeError):
@@ -94,7 +91,7 @@ class GenerationSettings:
         return kwargs
 
 
-PRESETS = {
+GENERATION_PRESETS = {
     # The seed's evaluation / Chat-E settings: beam 10, min length 20, n-gram blocking.
     "faithful": GenerationSettings(num_beams=10, min_new_tokens=20, max_new_tokens=60, no_repeat_ngram_size=3,
                                    encoder_no_repeat_ngram_size=3, repetition_penalty=1.2),
@@ -136,15 +133,11 @@ class LoadedModel:
         return len(self.tokenizer(text).input_ids)
 
 
-# What a Hub id looks like ("name" or "user/name"); anything else is meant as a local path.
-_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
-
-
 def _resolve_dir(spec: str) -> Path | None:
     """A local model directory for ``spec``: itself, its final/, or the newest RUN/final/."""
     path = Path(spec).expanduser()
     if not path.is_dir():
-        if path.exists() or not _HUB_ID.match(spec) or spec.startswith((".", "~")):
+        if path.exists() or not is_hub_id(spec) or spec.startswith((".", "~")):
             # "./runs/x", "/abs/path", "runs/a/final": a path that is not there, not a Hub id
             raise CheckpointError(f"{spec}: no such model folder")
         return None
@@ -227,7 +220,7 @@ def load_checkpoint(spec: str, optimize: str | None = None) -> LoadedModel:
 
 def clean_text(text: str | None, limit: int, what: str) -> str:
     """Strip control characters and outer space; refuse over-long text with a clear message."""
-    text = _CONTROL.sub(" ", text or "").strip()
+    text = CONTROL_RE.sub(" ", text or "").strip()
     if len(text) > limit:
         raise InputError(f"The {what} is too long ({len(text)} characters; the limit is {limit}).")
     return text
@@ -276,7 +269,7 @@ class ChatEngine:
         if loaded.model.device.type != "cuda" or not self._batcher.cuda_graphs:
             return
         log.info("compiling GPU decoding for %s (once, ~30 s)", loaded.name)
-        kwargs = PRESETS["fast"].generate_kwargs()
+        kwargs = GENERATION_PRESETS["fast"].generate_kwargs()
         messages = ["hello", "hello there, how has your day been so far? mine was long."]
         try:
             for message in messages:
@@ -330,7 +323,7 @@ class ChatEngine:
     # --- output
     @staticmethod
     def _clean_reply(text: str) -> str:
-        text = _CONTROL.sub(" ", text).replace("\ufffd", "")  # stray bytes of an untrained model
+        text = CONTROL_RE.sub(" ", text).replace("\ufffd", "")  # stray bytes of an untrained model
         return re.sub(r"\s+", " ", text).strip()
 
     def _prepare(self, conv: Conversation, message: str, settings: GenerationSettings):
@@ -348,14 +341,14 @@ class ChatEngine:
     def _generate(self, loaded: LoadedModel, encoded, kwargs: dict, streamer=None) -> torch.Tensor:
         return self._batcher.submit(loaded, encoded, kwargs, streamer).result()
 
-    def reply(self, conv: Conversation, message: str, settings: GenerationSettings = PRESETS["fast"]) -> tuple[str, Budget]:
+    def reply(self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]) -> tuple[str, Budget]:
         """The bot's answer to ``message`` given ``conv``; ``conv`` is not modified."""
         loaded, encoded, budget, kwargs = self._prepare(conv, message, settings)
         out = self._generate(loaded, encoded, kwargs)
         return self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget
 
     def stream(self, conv: Conversation, message: str,
-               settings: GenerationSettings = PRESETS["fast"]) -> Iterator[tuple[str, Budget]]:
+               settings: GenerationSettings = GENERATION_PRESETS["fast"]) -> Iterator[tuple[str, Budget]]:
         """Yield the reply so far as it is generated (once, at the end, for beam search).
 
         Bad input raises InputError here, at the call, not at the first ``next()``."""
@@ -378,7 +371,7 @@ class ChatEngine:
         if not text.strip():
             yield "", budget
 
-    def respond(self, conv: Conversation, message: str, settings: GenerationSettings = PRESETS["fast"]) -> str:
+    def respond(self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]) -> str:
         """Library convenience: reply and append the exchange to ``conv``."""
         text, _ = self.reply(conv, message, settings)
         conv.turns += [clean_text(message, MAX_MESSAGE_CHARS, "message"), text]

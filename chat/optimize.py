@@ -6,7 +6,7 @@ It works in place (no second copy of the weights) and also returns the model, so
 ``model = optimize_for_cpu(model, "int8")`` reads naturally; after "bf16" or "int8" do not keep
 using an fp32 reference to the same object.
 
-Modes (measured with ``python -m chat.bench_variants --repeats 2`` on a 2-core AMD EPYC with
+Modes (measured with ``python -m bench.cpu_variants --repeats 2`` on a 2-core AMD EPYC with
 AVX512-BF16/VNNI, torch 2.13, the blenderbot-400M-distill shape with random weights, 64-token
 prompt, 24-token reply; p50 of 16; greedy streamed through TextIteratorStreamer; idle machine.
 Full table and caveats: docs/cpu-inference-notes.md)

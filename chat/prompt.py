@@ -45,7 +45,8 @@ EMOTIONS = (
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>", "<mask>")
 # Anything shaped like a special token, with stray spaces or case changes, e.g. "< /S >".
 _SPECIAL_RE = re.compile(r"<\s*/?\s*(?:s|pad|unk|mask)\s*>", re.IGNORECASE)
-_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# Control characters (C0 but tab and newline, DEL, C1): never meaningful in a chat or a dialogue row.
+CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _SPACES_RE = re.compile(r"\s+")
 
 
@@ -57,7 +58,7 @@ def neutralize(text: str, extra_special: Sequence[str] = ()) -> str:
     """
     if not isinstance(text, str):
         raise ValueError(f"expected a string, got {type(text).__name__}")
-    text = _CONTROL_RE.sub(" ", text)
+    text = CONTROL_RE.sub(" ", text)
     while True:
         cleaned = _SPECIAL_RE.sub(" ", text)
         for tok in extra_special:

@@ -17,11 +17,8 @@ import time
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
-FINAL = "final"
 STATE_FILE = "trainer_state.json"
-TRAINING_ARGS_FILE = "training_args.json"  # the chat reads this to format input like training
 METRICS_FILE = "metrics.jsonl"
-RESULTS_FILE = "all_results.json"
 STOP_FILE = "STOP"  # created by the app (or a user) to ask a run to checkpoint and stop
 
 
@@ -30,13 +27,6 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir) / CHECKPOINTS
     found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
-
-
-def list_finals(root: str | Path) -> list[Path]:
-    """``RUN/final/`` folders under ``root`` that hold a complete model, newest first."""
-    found = [p.parent for p in Path(root).glob(f"*/{FINAL}/config.json")
-             if (p.parent / "model.safetensors").is_file() or (p.parent / "model.safetensors.index.json").is_file()]
-    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def find_checkpoint(output_dir: str | Path, spec: str) -> Path:

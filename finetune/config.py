@@ -15,9 +15,8 @@ from pathlib import Path
 
 import yaml
 
-DEFAULT_MODEL = "facebook/blenderbot-400M-distill"
-# Attention choices (finetune.model.configure_attention applies them; defined here, light, for validation)
-ATTENTION = ("auto", "sdpa", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+from chat.layout import DEFAULT_MODEL
+from chat.model import ATTENTION
 DEFAULT_DATASET = "smangrul/MuDoConv"
 TRACKERS = ("tensorboard", "wandb", "trackio", "all")
 

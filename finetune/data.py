@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 import torch
 from datasets import Dataset, DatasetDict, load_dataset
 
+from chat.layout import SAMPLE_DIR
 from chat.prompt import build_source, fit_source, split_source
 
 log = logging.getLogger(__name__)
 
-SAMPLE_DIR = Path(__file__).resolve().parent.parent / "data" / "sample"
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 FLAT = ("texts", "labels")
 STRUCTURED = ("kind", "context", "turns", "response")

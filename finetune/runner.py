@@ -45,10 +45,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chat.layout import FINAL, RESULTS_FILE, ROOT, SAMPLE_DIR, is_hub_id
+from chat.model import MODEL_PRESETS
 from finetune import checkpoint as ckpt
 
-ROOT = Path(__file__).resolve().parent.parent  # the accelerate configs name files relative to it
-SAMPLE_DIR = ROOT / "data" / "sample"
 ACCELERATE_DIR = Path("configs") / "accelerate"  # relative: the child runs with cwd=ROOT
 
 RUNS_ROOT = Path(os.environ.get("PERSONA_CHAT_RUNS", "runs"))
@@ -62,7 +62,6 @@ RUN_FILE = "run.json"
 LOG_FILE = "train.log"
 SPLIT_DIR = "data"
 
-PRESETS = ("tiny", "random-400M")  # finetune.model.PRESETS (not imported: it pulls in torch)
 STRATEGIES = {"zero2": "zero2.yaml", "zero3_offload": "zero3_offload.yaml", "ddp": "ddp.yaml"}
 CPU_CONFIG = "cpu_zero2.yaml"
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -70,9 +69,6 @@ STATES = ("idle", "running", "stopping", "stopped", "finished", "failed")
 DEFAULT_VAL_MIN_TARGET = 20  # the CLI's --val_min_target_length default
 LOG_TAIL_LINES = 40
 
-_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
-HUB_ID_RE = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")  # "name" or "user/name"
-HUB_REPO_RE = re.compile(rf"^{_HUB_PART}/{_HUB_PART}$")  # push targets need the user part
 _ERROR_LINE = re.compile(r"^\d\d:\d\d:\d\d ERROR [\w.]+: (.+)$")  # finetune.train.main's log format
 _ARGPARSE_ERROR = re.compile(r"^python -m finetune: error: (.+)$")
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt): .+$")
@@ -90,6 +86,11 @@ class RunBusyError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- paths
+
+
+def runs_root() -> Path:
+    """Where the Train tab writes runs and the model picker finds finished ones (PERSONA_CHAT_RUNS)."""
+    return Path(os.environ.get("PERSONA_CHAT_RUNS", "runs"))
 
 
 def data_root() -> Path:
@@ -224,20 +225,20 @@ class RunSpec:
         self.hub_model_id = _optional_str(self.hub_model_id)
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("push to Hub needs a Hub model id 'user/name'")
-        if self.hub_model_id and not HUB_REPO_RE.match(self.hub_model_id):
+        if self.hub_model_id and not is_hub_id(self.hub_model_id, owner=True):
             raise ValueError(f"Hub model id must look like 'user/name', got {self.hub_model_id!r}")
 
         self.model = _optional_str(self.model) or ""
         if not self.model:
             raise ValueError("model is required (a preset such as 'tiny', a Hub id, or a finished run)")
-        if self.model not in PRESETS:
+        if self.model not in MODEL_PRESETS:
             path = local_path(self.model, "model")
             if path is not None:
                 if not (path / "config.json").is_file():
                     raise ValueError(f"model {self.model!r} is not a model folder (no config.json)")
                 self.model = str(path)
-            elif not HUB_ID_RE.match(self.model) or "--" in self.model or ".." in self.model:
-                raise ValueError(f"model {self.model!r} is not a preset ({', '.join(PRESETS)}), a Hub id "
+            elif not is_hub_id(self.model):
+                raise ValueError(f"model {self.model!r} is not a preset ({', '.join(MODEL_PRESETS)}), a Hub id "
                                  "('user/name') or an allowed local folder")
 
         self.dataset = _optional_str(self.dataset) or ""
@@ -248,7 +249,7 @@ class RunSpec:
             path = local_path(self.dataset, "dataset")
             if path is not None:
                 self.dataset = str(_data_file(path, "dataset"))
-            elif not HUB_ID_RE.match(self.dataset) or "--" in self.dataset or ".." in self.dataset:
+            elif not is_hub_id(self.dataset):
                 raise ValueError(f"dataset {self.dataset!r} is not 'sample', a Hub dataset id or an uploaded file")
         if self.validation_file is not None:
             if not self.is_local_dataset:
@@ -728,7 +729,7 @@ def _status_of(run_dir: Path) -> RunStatus:
                 status.error = e.get("message")
             elif e.get("event") == "pushed":
                 status.error, status.pushed_url = None, e.get("url")
-        final = run_dir / ckpt.FINAL
+        final = run_dir / FINAL
         status.final_dir = str(final) if final.is_dir() else None
     elif terminal and terminal["event"] == "stopped":
         status.state = "stopped"
@@ -932,12 +933,12 @@ class RunManager:
         """(label, final folder) of every finished run, newest first: "<run_id> (BLEU 12.3)"."""
         out = []
         for run_id in self.runs():
-            final = self.root / run_id / ckpt.FINAL
+            final = self.root / run_id / FINAL
             if not (final / "config.json").is_file():
                 continue
             label = run_id
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-                bleu = json.loads((final / ckpt.RESULTS_FILE).read_text())["eval_bleu"]
+                bleu = json.loads((final / RESULTS_FILE).read_text())["eval_bleu"]
                 label = f"{run_id} (BLEU {bleu:.1f})"
             out.append((label, str(final)))
         return out
@@ -946,11 +947,11 @@ class RunManager:
         """Upload a finished run's final/ folder to the Hub; returns the repo URL.
         ``finetune.hub.HubError`` (clear message, token scrubbed) propagates."""
         run_dir = self._dir(run_id)
-        final = run_dir / ckpt.FINAL
+        final = run_dir / FINAL
         if not (final / "config.json").is_file():
             raise ValueError(f"run {run_id} has no final model to push (it has not finished)")
         repo_id = (repo_id or "").strip()
-        if not HUB_REPO_RE.match(repo_id):
+        if not is_hub_id(repo_id, owner=True):
             raise ValueError(f"Hub repo id must look like 'user/name', got {repo_id!r}")
         from finetune.hub import push
 

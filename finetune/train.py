@@ -29,12 +29,13 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, DataCollatorForSeq2Seq, get_scheduler
 
+from chat.layout import FINAL, RESULTS_FILE, TRAINING_ARGS_FILE
 from finetune import checkpoint as ckpt
 from finetune.config import TrainConfig, parse_args
 from finetune.data import DataError, LengthGroupedSampler, load_raw, row_lengths, tokenize
 from finetune.evaluate import evaluate, generation_kwargs
 from finetune.hub import HubError, push, write_model_card
-from finetune.model import ModelLoadError, configure_attention, load_model, load_tokenizer, resolve
+from chat.model import ModelLoadError, configure_attention, load_model, load_tokenizer, resolve
 
 log = get_logger(__name__)
 
@@ -152,7 +153,7 @@ class StopRequest:
 def save_final(accelerator, model, tokenizer, cfg: TrainConfig, results: dict) -> Path:
     """save_pretrained (safetensors, full fp32 weights even under ZeRO) + everything chat needs."""
     state_dict = accelerator.get_state_dict(model)  # every rank: ZeRO-3 gathers shards here
-    dest = Path(cfg.output_dir) / ckpt.FINAL
+    dest = Path(cfg.output_dir) / FINAL
     if accelerator.is_main_process:
         tmp = Path(tempfile.mkdtemp(dir=cfg.output_dir, prefix=".final-"))
         tmp.chmod(0o755)  # mkdtemp makes it private; the app and a Space serve from it
@@ -164,8 +165,8 @@ def save_final(accelerator, model, tokenizer, cfg: TrainConfig, results: dict) -
         for key, value in generation_kwargs(cfg).items():
             setattr(gen, key, value)
         gen.save_pretrained(tmp)
-        (tmp / ckpt.TRAINING_ARGS_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
-        (tmp / ckpt.RESULTS_FILE).write_text(json.dumps(results, indent=2))
+        (tmp / TRAINING_ARGS_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
+        (tmp / RESULTS_FILE).write_text(json.dumps(results, indent=2))
         write_model_card(tmp, cfg, results, accelerator.num_processes)
         ckpt.publish_dir(tmp, dest)
     accelerator.wait_for_everyone()
@@ -373,7 +374,7 @@ def train(cfg: TrainConfig) -> dict:
                    eval_epoch_seconds=eval_times, num_processes=accelerator.num_processes, zero_stage=zero_stage)
     final = save_final(accelerator, model, tokenizer, cfg, summary) if cfg.save_model else None
     if main:
-        (Path(cfg.output_dir) / ckpt.RESULTS_FILE).write_text(json.dumps(summary, indent=2))
+        (Path(cfg.output_dir) / RESULTS_FILE).write_text(json.dumps(summary, indent=2))
         metrics.write("done", step=completed, final=str(final) if final else None, eval_bleu=summary["eval_bleu"])
         log.info(f"final model in {final} (BLEU {summary['eval_bleu']:.2f})" if final
                  else f"done, final model not saved (--save_model false); BLEU {summary['eval_bleu']:.2f}")

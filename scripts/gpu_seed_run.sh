@@ -9,7 +9,7 @@ set -euo pipefail
 RUN_DIR=${1:-runs/gpu_seed}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 python3 -m finetune.sample_data --out_dir "$RUN_DIR/data" --n_train_dialogues 6300 --n_val_dialogues 750
-python3 -c "from finetune.model import resolve; resolve('random-400M')"
+python3 -c "from chat.model import resolve; resolve('random-400M')"
 COMMON=(--model_name_or_path random-400M --train_file "$RUN_DIR/data/train.jsonl"
   --validation_file "$RUN_DIR/data/validation.jsonl" --max_source_length 128 --source_prefix "chatbot: "
   --max_target_length 64 --val_max_target_length 64 --val_min_target_length 20 --n_val_batch_generations 5

@@ -1,13 +1,9 @@
 """Shared fixtures: everything offline, the tiny preset built once per session."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # Offline and isolated before any Hugging Face library is imported by a test module.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -25,13 +21,13 @@ def _isolated_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_path(_isolated_cache):
-    from finetune.model import resolve
+    from chat.model import resolve
 
     return Path(resolve("tiny"))
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_path):
-    from finetune.model import load_tokenizer
+    from chat.model import load_tokenizer
 
     return load_tokenizer(str(tiny_path))

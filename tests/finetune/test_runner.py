@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from chat.layout import ROOT
 from finetune import runner
 from finetune.config import parse_args
 from finetune.data import DataError
@@ -27,7 +28,6 @@ from finetune.runner import (
     validate_upload,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 180  # seconds any single wait for a run may take
 
 
@@ -163,12 +163,6 @@ def test_format_command_round_trips(tmp_path):
 def test_any_source_prefix_reaches_the_cli_intact(tmp_path, prefix):
     cfg = parse_args(launcher_args(build_command(RunSpec(source_prefix=prefix), tmp_path)).training_script_args)
     assert cfg.source_prefix == prefix and cfg.num_beams == 4
-
-
-def test_presets_match_the_model_module():
-    from finetune.model import PRESETS
-
-    assert set(runner.PRESETS) == set(PRESETS)
 
 
 def test_short_targets_lower_the_generation_minimum(tmp_path):

@@ -6,7 +6,7 @@ page reload, a second viewer or a restarted app shows the same run; nothing abou
 in the browser.
 
 Every action that changes something (start, stop, resume, upload, push) first calls
-``chat.auth.require``; the refusal is a ``gr.Error`` with a message meant for the user, and so is
+``webui.auth.require``; the refusal is a ``gr.Error`` with a message meant for the user, and so is
 every bad input. Uploads are size-checked and validated before they are copied into the data
 root (an allowed root of the runner), and the copy's path stays in server-side session state: no
 path typed or sent by a browser reaches a run unchecked.
@@ -27,10 +27,10 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from chat.auth import AuthConfig, AuthError, Session, require
-from chat.engine import DEFAULT_MODEL
+from webui.auth import AuthConfig, AuthError, Session, require
+from chat.layout import DEFAULT_MODEL
 from finetune import runner
-from finetune.runner import PRESETS, RunBusyError, RunManager, RunSpec, RunStatus
+from finetune.runner import RunBusyError, RunManager, RunSpec, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,7 @@ class TrainTab:
 
     @classmethod
     def create(cls, auth: AuthConfig | None = None, runs_root: Path | str | None = None) -> TrainTab:
-        from chat.ui import runs_root as default_runs_root
-
-        return cls(manager=RunManager(Path(runs_root) if runs_root is not None else default_runs_root()),
+        return cls(manager=RunManager(Path(runs_root) if runs_root is not None else runner.runs_root()),
                    auth=auth or AuthConfig.from_env(), gpus=runner.detect_gpus())
 
     def incoming_root(self) -> Path:
@@ -116,7 +114,7 @@ def hardware_note(gpus: int) -> str:
             "the pipeline works, not chat quality.")
 
 
-def model_choices(tab: TrainTab) -> list[tuple[str, str]]:
+def base_model_choices(tab: TrainTab) -> list[tuple[str, str]]:
     """Base models for a run: the tiny preset, the 400M model, and every finished run."""
     choices = [("tiny (a small BlenderBot built from the sample; CPU-friendly)", "tiny"),
                (f"{DEFAULT_MODEL} (400M)", DEFAULT_MODEL)]
@@ -390,4 +388,4 @@ def live_view(tab: TrainTab, cache: dict | None, model_updates: Sequence[Callabl
 
 def model_list_update(tab: TrainTab):
     """The Train tab's base-model dropdown with the current finished runs (value kept)."""
-    return gr.update(choices=model_choices(tab))
+    return gr.update(choices=base_model_choices(tab))

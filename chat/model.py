@@ -24,17 +24,14 @@ from transformers import (
     GenerationConfig,
 )
 
+from chat.layout import SAMPLE_DIR
 from chat.prompt import SPECIAL_TOKENS
-from finetune.config import ATTENTION
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLE_DIR = ROOT / "data" / "sample"
-
 # Presets are built locally (no Hub needed) and then loaded like any checkpoint directory.
 # Both use a byte-level BPE tokenizer trained on the sample data with BlenderBot's special ids.
-PRESETS = {
+MODEL_PRESETS = {
     # Same architecture, shrunk so CPU training takes minutes (tests, offline demo).
     "tiny": dict(d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                  decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, dropout=0.1),
@@ -60,7 +57,7 @@ def cache_dir() -> Path:
 
 def resolve(name_or_path: str) -> str:
     """Map a preset name to its directory (building it if needed); pass others through."""
-    if name_or_path in PRESETS:
+    if name_or_path in MODEL_PRESETS:
         path = cache_dir() / f"{name_or_path}-blenderbot"
         if not (path / "config.json").exists():
             build_preset(name_or_path, path)
@@ -98,7 +95,7 @@ def build_preset(name: str, path: Path, seed: int = 0) -> Path:
                 texts += [row["texts"], row["labels"]]
     log.info("building the %s preset in %s", name, path)
     tokenizer = _train_tokenizer(texts)
-    shape = {"vocab_size": len(tokenizer), **PRESETS[name]}
+    shape = {"vocab_size": len(tokenizer), **MODEL_PRESETS[name]}
     config = BlenderbotConfig(
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.bos_token_id,
@@ -148,6 +145,7 @@ def load_tokenizer(name_or_path: str):
 # transformers' original attention. "auto" is the fastest one measured for this model's
 # shapes (32 heads of 40 dims over 128/64 tokens) in docs/benchmarks.md.
 AUTO_ATTENTION = "sdpa"
+ATTENTION = ("auto", "sdpa", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 
 
 def configure_attention(choice: str) -> str:

@@ -1,4 +1,4 @@
-"""The Train tab's logic and the login rules (chat/train_ui.py, chat/auth.py), without a browser.
+"""The Train tab's logic and the login rules (chat/train_handlers.py, webui/auth.py), without a browser.
 
 Real RunManager, real files; runs that would launch are refused before launching (no login) or
 are the fake-process kind of tests/test_runner.py. Real training through the app is in
@@ -13,12 +13,12 @@ import gradio as gr
 import pandas as pd
 import pytest
 
-from chat import auth, train_ui
-from chat.auth import AuthConfig, AuthError, Session
 from chat.engine import DEFAULT_MODEL
 from finetune import checkpoint as ckpt
 from finetune import runner
 from finetune.runner import RunManager, RunSpec, RunStatus
+from webui import auth, train_handlers
+from webui.auth import AuthConfig, AuthError, Session
 
 PASSWORD = "correct horse battery staple"
 
@@ -35,7 +35,7 @@ def tab(tmp_path, monkeypatch):
     monkeypatch.setenv("PERSONA_CHAT_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("PERSONA_CHAT_DATA", str(data))
     (tmp_path / "incoming").mkdir()
-    return train_ui.TrainTab(manager=RunManager(tmp_path / "runs"), auth=AuthConfig(password=PASSWORD), gpus=0,
+    return train_handlers.TrainTab(manager=RunManager(tmp_path / "runs"), auth=AuthConfig(password=PASSWORD), gpus=0,
                              data_root=data, incoming=tmp_path / "incoming")
 
 
@@ -50,8 +50,8 @@ def logged_in() -> Session:
 
 
 def form(tab, **changes) -> list:
-    values = {**train_ui.default_form(tab), **changes}
-    return [values[name] for name in train_ui.FORM_FIELDS]
+    values = {**train_handlers.default_form(tab), **changes}
+    return [values[name] for name in train_handlers.FORM_FIELDS]
 
 
 def write_rows(path: Path, n: int) -> Path:
@@ -122,35 +122,35 @@ def test_login_checks_the_password_and_never_logs_it(caplog):
 
 
 def test_auth_status_markdown():
-    assert "TRAIN_PASSWORD" in auth.status_markdown(AuthConfig(), None)
-    assert "Training from this tab is off" in auth.status_markdown(AuthConfig(), None)
+    assert "TRAIN_PASSWORD" in auth.login_markdown(AuthConfig(), None)
+    assert "Training from this tab is off" in auth.login_markdown(AuthConfig(), None)
     config = AuthConfig(password=PASSWORD)
-    assert "Log in" in auth.status_markdown(config, Session())
-    assert "Logged in" in auth.status_markdown(config, logged_in())
+    assert "Log in" in auth.login_markdown(config, Session())
+    assert "Logged in" in auth.login_markdown(config, logged_in())
     oauth = AuthConfig(users=frozenset({"alice"}), oauth=True)
-    assert "@alice" in auth.status_markdown(oauth, None, hf_profile("alice"))
+    assert "@alice" in auth.login_markdown(oauth, None, hf_profile("alice"))
 
 
 # --------------------------------------------------------------------------- the form
 
 
 def test_default_form_is_a_valid_tiny_cpu_run(tab):
-    values = train_ui.default_form(tab)
+    values = train_handlers.default_form(tab)
     assert values["model"] == "tiny" and values["num_gpus"] == 0 and values["learning_rate"] == 1e-3
-    spec = train_ui.spec_from_form(tab, train_ui.form_values(form(tab)), None)
+    spec = train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab)), None)
     assert spec == RunSpec(model="tiny", dataset="sample")
-    gpu_tab = train_ui.TrainTab(manager=tab.manager, auth=tab.auth, gpus=2)
-    assert train_ui.default_form(gpu_tab)["model"] == DEFAULT_MODEL
-    assert train_ui.default_form(gpu_tab)["learning_rate"] == train_ui.LARGE_MODEL_LR
+    gpu_tab = train_handlers.TrainTab(manager=tab.manager, auth=tab.auth, gpus=2)
+    assert train_handlers.default_form(gpu_tab)["model"] == DEFAULT_MODEL
+    assert train_handlers.default_form(gpu_tab)["learning_rate"] == train_handlers.LARGE_MODEL_LR
 
 
 def test_spec_from_form_maps_every_field(tab):
-    values = train_ui.form_values(form(
+    values = train_handlers.form_values(form(
         tab, data_source="hub", hub_dataset="smangrul/MuDoConv", n_train=100.0, n_val=0, epochs=2.0,
         learning_rate=3e-4, train_batch_size=4, eval_batch_size=8, max_source_length=64, max_target_length=16,
         source_prefix="", checkpointing_steps=5, logging_steps=2, num_beams=1, push_to_hub=True,
         hub_model_id=" me/chat ", hub_private=True))
-    spec = train_ui.spec_from_form(tab, values, None)
+    spec = train_handlers.spec_from_form(tab, values, None)
     assert spec == RunSpec(model="tiny", dataset="smangrul/MuDoConv", n_train=100, n_val=None, epochs=2,
                            learning_rate=3e-4, train_batch_size=4, eval_batch_size=8, max_source_length=64,
                            max_target_length=16, source_prefix="", checkpointing_steps=5, logging_steps=2,
@@ -178,36 +178,36 @@ def test_spec_from_form_maps_every_field(tab):
 ])
 def test_spec_from_form_refuses_with_a_clear_message(tab, changes, message):
     with pytest.raises(ValueError, match=message):
-        train_ui.spec_from_form(tab, train_ui.form_values(form(tab, **changes)), None)
+        train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab, **changes)), None)
 
 
 def test_form_values_needs_every_field():
     with pytest.raises(ValueError, match="the form has"):
-        train_ui.form_values([1, 2])
+        train_handlers.form_values([1, 2])
 
 
 def test_show_command_is_the_runners_command_and_needs_no_login(tab):
     values = form(tab, n_train=50, epochs=1)
-    shown = train_ui.show_command(tab, None, values)
-    spec = train_ui.spec_from_form(tab, train_ui.form_values(values), None)
+    shown = train_handlers.show_command(tab, None, values)
+    spec = train_handlers.spec_from_form(tab, train_handlers.form_values(values), None)
     expected = tab.manager.command_preview(spec)
     port = "--main_process_port"
     strip = lambda text: [w for w in text.split() if not w.isdigit()]  # noqa: E731 - the port is fresh each time
     assert strip(shown.splitlines()[-1]) == strip(expected) and port in shown
     assert "-m finetune --model_name_or_path tiny --dataset_name sample --n_train 50" in shown
     with pytest.raises(gr.Error, match="upload a training file first"):
-        train_ui.show_command(tab, None, form(tab, data_source="upload"))
+        train_handlers.show_command(tab, None, form(tab, data_source="upload"))
 
 
 def test_model_choices_list_finished_runs(tab):
-    assert [v for _, v in train_ui.model_choices(tab)] == ["tiny", DEFAULT_MODEL]
+    assert [v for _, v in train_handlers.base_model_choices(tab)] == ["tiny", DEFAULT_MODEL]
     final = tab.manager.root / "20250101-000000-abcdef" / "final"
     final.mkdir(parents=True)
     (final.parent / "run.json").write_text("{}")
     (final / "config.json").write_text("{}")
-    assert [v for _, v in train_ui.model_choices(tab)][-1] == str(final)
+    assert [v for _, v in train_handlers.base_model_choices(tab)][-1] == str(final)
     # a finished run is a valid base model on the CPU
-    assert train_ui.spec_from_form(tab, train_ui.form_values(form(tab, model=str(final))), None).model == str(final)
+    assert train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab, model=str(final))), None).model == str(final)
 
 
 # --------------------------------------------------------------------------- uploads
@@ -216,25 +216,25 @@ def test_model_choices_list_finished_runs(tab):
 def test_upload_needs_a_login_and_is_validated_then_copied(tab):
     upload = write_rows(tab.incoming / "my data.jsonl", 12)
     with pytest.raises(gr.Error, match="log in first"):
-        train_ui.accept_upload(tab, Session(), None, None, "train", str(upload), "chatbot: ")
+        train_handlers.accept_upload(tab, Session(), None, None, "train", str(upload), "chatbot: ")
     assert not tab.data_root.exists()  # nothing copied for an anonymous caller
 
-    uploads, preview = train_ui.accept_upload(tab, logged_in(), None, None, "train", str(upload), "chatbot: ")
+    uploads, preview = train_handlers.accept_upload(tab, logged_in(), None, None, "train", str(upload), "chatbot: ")
     copy = Path(uploads.train)
     assert copy.is_relative_to(tab.data_root.resolve()) and copy.name == "train.jsonl"
     assert copy.read_bytes() == upload.read_bytes() and uploads.names == {"train": "my data.jsonl"}
     assert "**my data.jsonl**: 12 rows" in preview
     assert "```text\nchatbot: context: happy  <s> hello number 0\n```" in preview
     # the upload is now the run's data: the last 10% becomes the validation split
-    spec = train_ui.spec_from_form(tab, train_ui.form_values(form(tab, data_source="upload")), uploads)
+    spec = train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab, data_source="upload")), uploads)
     assert spec.dataset == str(copy) and spec.holds_out_validation
 
     val = write_rows(tab.incoming / "val.csv", 0)
     val.write_text("texts,labels\ncontext: sad  <s> hi,hello\n")
-    uploads, _ = train_ui.accept_upload(tab, logged_in(), None, uploads, "validation", str(val), "")
-    spec = train_ui.spec_from_form(tab, train_ui.form_values(form(tab, data_source="upload")), uploads)
+    uploads, _ = train_handlers.accept_upload(tab, logged_in(), None, uploads, "validation", str(val), "")
+    spec = train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab, data_source="upload")), uploads)
     assert spec.validation_file == uploads.validation and uploads.validation.endswith("validation.csv")
-    cleared, preview = train_ui.accept_upload(tab, Session(), None, uploads, "validation", None, "")
+    cleared, preview = train_handlers.accept_upload(tab, Session(), None, uploads, "validation", None, "")
     assert cleared.validation is None and cleared.train == uploads.train and preview == ""
 
 
@@ -243,23 +243,23 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
     bad = tab.incoming / "bad.jsonl"
     bad.write_text(json.dumps({"texts": "x", "labels": "y"}) + "\n" + json.dumps({"texts": "x", "labels": " "}) + "\n")
     with pytest.raises(gr.Error, match=r"bad\.jsonl: row 2: column 'labels' is empty"):
-        train_ui.accept_upload(tab, session, None, None, "train", str(bad), "")
+        train_handlers.accept_upload(tab, session, None, None, "train", str(bad), "")
     text = tab.incoming / "notes.txt"
     text.write_text("hello")
     with pytest.raises(gr.Error, match="unsupported file type"):
-        train_ui.accept_upload(tab, session, None, None, "train", str(text), "")
+        train_handlers.accept_upload(tab, session, None, None, "train", str(text), "")
     outside = write_rows(tmp_path / "elsewhere.jsonl", 3)  # not in gradio's upload folder
     with pytest.raises(gr.Error, match="not uploaded through this app"):
-        train_ui.accept_upload(tab, session, None, None, "train", str(outside), "")
+        train_handlers.accept_upload(tab, session, None, None, "train", str(outside), "")
     with pytest.raises(gr.Error, match="not uploaded through this app"):
-        train_ui.accept_upload(tab, session, None, None, "train", str(tab.incoming / ".." / "elsewhere.jsonl"), "")
+        train_handlers.accept_upload(tab, session, None, None, "train", str(tab.incoming / ".." / "elsewhere.jsonl"), "")
     big = write_rows(tab.incoming / "big.jsonl", 200)
     monkeypatch.setattr(runner, "MAX_UPLOAD_BYTES", 1000)
     with pytest.raises(gr.Error, match="the limit is"):
-        train_ui.accept_upload(tab, session, None, None, "train", str(big), "")
+        train_handlers.accept_upload(tab, session, None, None, "train", str(big), "")
     assert not tab.data_root.exists()
     with pytest.raises(ValueError, match="unknown upload"):
-        train_ui.accept_upload(tab, session, None, None, "test", str(big), "")
+        train_handlers.accept_upload(tab, session, None, None, "test", str(big), "")
 
 
 # --------------------------------------------------------------------------- actions
@@ -272,10 +272,10 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
 ])
 def test_actions_are_refused_without_a_login(tab, config, session, message):
     tab.auth = config
-    actions = [lambda: train_ui.start_run(tab, session, None, None, form(tab)),
-               lambda: train_ui.stop_run(tab, session, None),
-               lambda: train_ui.resume_run(tab, session, None),
-               lambda: train_ui.push_run(tab, session, None, "me/chat", False)]
+    actions = [lambda: train_handlers.start_run(tab, session, None, None, form(tab)),
+               lambda: train_handlers.stop_run(tab, session, None),
+               lambda: train_handlers.resume_run(tab, session, None),
+               lambda: train_handlers.push_run(tab, session, None, "me/chat", False)]
     for action in actions:
         with pytest.raises(gr.Error, match=message):
             action()
@@ -285,13 +285,13 @@ def test_actions_are_refused_without_a_login(tab, config, session, message):
 def test_actions_explain_what_is_not_possible(tab):
     session = logged_in()
     with pytest.raises(gr.Error, match="no run is running"):
-        train_ui.stop_run(tab, session, None)
+        train_handlers.stop_run(tab, session, None)
     with pytest.raises(gr.Error, match="no run to resume"):
-        train_ui.resume_run(tab, session, None)
+        train_handlers.resume_run(tab, session, None)
     with pytest.raises(gr.Error, match="only a finished run can be pushed"):
-        train_ui.push_run(tab, session, None, "me/chat", False)
+        train_handlers.push_run(tab, session, None, "me/chat", False)
     with pytest.raises(gr.Error, match="needs a GPU"):
-        train_ui.start_run(tab, session, None, None, form(tab, model=DEFAULT_MODEL))
+        train_handlers.start_run(tab, session, None, None, form(tab, model=DEFAULT_MODEL))
     assert tab.manager.runs() == []
 
 
@@ -319,37 +319,37 @@ def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
 def test_live_view_sends_only_changes(tab):
     calls = []
     makers = (lambda: calls.append("train") or "train-models", lambda: calls.append("chat") or "chat-models")
-    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_ui.live_view(tab, None, makers)
+    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_handlers.live_view(tab, None, makers)
     assert run.startswith("💤 No run yet") and list(loss.columns) == ["step", "loss"] and loss.empty
     assert log_tail == "" and (train_models, chat_models) == ("train-models", "chat-models")
 
-    cache, *again = train_ui.live_view(tab, cache, makers)
+    cache, *again = train_handlers.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again) and calls == ["train", "chat"]
 
     run_dir = fake_finished_run(tab)
-    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_ui.live_view(tab, cache, makers)
+    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_handlers.live_view(tab, cache, makers)
     assert "**Run 20250101-000000-abcdef**: finished" in run and "step 4 / 4 (100%)" in run and "BLEU 3.25" in run
     assert f"`{run_dir / 'final'}`" in run and "Model** list" in run
     pd.testing.assert_frame_equal(loss, pd.DataFrame({"step": [1, 2, 4], "loss": [7.5, 7.0, 6.5]}))
     assert bleu.to_dict("records") == [{"step": 4, "bleu": 3.25}]
-    assert len(samples) == train_ui.SAMPLES_SHOWN and samples.iloc[0].to_dict() == {
+    assert len(samples) == train_handlers.SAMPLES_SHOWN and samples.iloc[0].to_dict() == {
         "prompt": "chatbot: hi", "prediction": "hello", "reference": "hey"}
     assert log_tail.endswith("final model in final") and calls == ["train", "chat"] * 2
-    cache, *again = train_ui.live_view(tab, cache, makers)
+    cache, *again = train_handlers.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again)
 
 
 def test_run_markdown_states():
     running = RunStatus(run_id="r", state="running", step=5, total_steps=20, progress=0.25, eta_seconds=75,
                         samples_per_second=12.34, gpu_mem_gib=3.21)
-    text = train_ui.run_markdown(running)
+    text = train_handlers.run_markdown(running)
     assert "running" in text and "step 5 / 20 (25%)" in text and "ETA 1 min 15 s" in text
     assert "12.3 samples/s" in text and "GPU memory 3.2 GiB" in text
-    assert "starting: loading" in train_ui.run_markdown(RunStatus(run_id="r", state="running"))
-    failed = train_ui.run_markdown(RunStatus(run_id="r", state="failed", error="CUDA out of memory",
+    assert "starting: loading" in train_handlers.run_markdown(RunStatus(run_id="r", state="running"))
+    failed = train_handlers.run_markdown(RunStatus(run_id="r", state="failed", error="CUDA out of memory",
                                              has_checkpoint=True))
     assert "**Error:** CUDA out of memory" in failed and "**Resume**" in failed
-    pushed = train_ui.run_markdown(RunStatus(run_id="r", state="finished", pushed_url="https://hf.co/me/chat"))
+    pushed = train_handlers.run_markdown(RunStatus(run_id="r", state="finished", pushed_url="https://hf.co/me/chat"))
     assert "Pushed to https://hf.co/me/chat" in pushed
 
 
@@ -366,13 +366,13 @@ def test_pushed_event_shows_and_clears_an_earlier_push_error(tab):
 @pytest.mark.parametrize("seconds, text", [(None, "?"), (0, "0 s"), (59.4, "59 s"), (61, "1 min 01 s"),
                                            (3725, "1 h 02 min"), (float("inf"), "?")])
 def test_format_duration(seconds, text):
-    assert train_ui.format_duration(seconds) == text
+    assert train_handlers.format_duration(seconds) == text
 
 
 def test_hardware_note():
-    assert "needs a GPU" in train_ui.hardware_note(0) and "tiny" in train_ui.hardware_note(0)
-    assert "2 GPUs" in train_ui.hardware_note(2)
-    assert train_ui.progress_bar(0.5, 10) == "█████░░░░░"
+    assert "needs a GPU" in train_handlers.hardware_note(0) and "tiny" in train_handlers.hardware_note(0)
+    assert "2 GPUs" in train_handlers.hardware_note(2)
+    assert train_handlers.progress_bar(0.5, 10) == "█████░░░░░"
 
 
 def test_data_root_follows_the_environment(tmp_path, monkeypatch):

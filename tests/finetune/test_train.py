@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parent.parent
+from chat.layout import ROOT
+
 FAST = ["--model_name_or_path", "tiny", "--dataset_name", "sample", "--n_val", "16", "--num_beams", "2",
         "--val_min_target_length", "2", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8",
         "--learning_rate", "1e-3", "--logging_steps", "2", "--seed", "7"]

@@ -1,8 +1,8 @@
 """Training and evaluation benchmark: the seed's recipe and the project's defaults, side by side.
 
-    python -m finetune.bench --out runs/bench                 # every GPU of this machine
-    python -m finetune.bench --out runs/bench --parts maxbatch,scaling
-    python -m finetune.bench --smoke --out /tmp/bench         # CPU, tiny model, about a minute (CI)
+    python -m bench.train --out runs/bench                 # every GPU of this machine
+    python -m bench.train --out runs/bench --parts maxbatch,scaling
+    python -m bench.train --smoke --out /tmp/bench         # CPU, tiny model, about a minute (CI)
 
 Every measurement is a run of the project's own CLI (``accelerate launch ... -m finetune``),
 so it times exactly what users run. Two recipes, always in the same invocation:
@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-log = logging.getLogger("finetune.bench")
+log = logging.getLogger("bench.train")
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOPS_PER_SAMPLE = 173e9  # 6 x weights x the tokens each weight sees at 128/64 (see docs/benchmarks.md)
@@ -193,7 +193,7 @@ def search_max_batch(fits, start: int, estimate: int | None = None, step: int = 
 
 def write_data(data_dir: Path, smoke: bool) -> dict:
     """fixed_* (sources of ~124-128 tokens, replies over 64) and realistic_* (the sample generator)."""
-    from finetune.model import load_tokenizer
+    from chat.model import load_tokenizer
     from finetune.sample_data import generate_split
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -368,7 +368,7 @@ def speedups(runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/bench", help="Folder for data, runs, results.json and results.md.")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"Comma-separated subset of {', '.join(PARTS)}.")
     parser.add_argument("--batch", type=int, default=800, help="Micro-batch per GPU: the seed's runs and tuned DDP.")
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     work, data_dir = out / "runs", out / "data"
     os.environ.setdefault("HF_DATASETS_CACHE", str((out / "hf_datasets").resolve()))  # shared by every run
-    report = dict(environment=env, command="python -m finetune.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = dict(environment=env, command="python -m bench.train " + " ".join(argv if argv is not None else sys.argv[1:]),
                   data=write_data(data_dir, args.smoke), runs=[])
     out.mkdir(parents=True, exist_ok=True)
     for v in plan(parts, env["gpus"], batch, 4 if args.smoke else args.tuned_batch, args.smoke):

@@ -10,14 +10,13 @@ both, so CI runs it.
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 
 import pytest
-
-from chat import auth
 from served_app import App
+
+from webui import auth
 
 try:
     from playwright.sync_api import expect, sync_playwright

@@ -16,14 +16,14 @@ import httpx
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
-
-from chat import auth, train_ui, ui
-from chat.engine import DEMO_DIR
-from finetune.runner import MAX_UPLOAD_BYTES
 from served_app import App, Caller
 
+from chat.engine import DEMO_DIR
+from chat.layout import SAMPLE_DIR
+from finetune.runner import MAX_UPLOAD_BYTES
+from webui import auth, chat_handlers, train_handlers
+
 PASSWORD = "s3cret-for-tests"
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
 
 
@@ -44,9 +44,9 @@ def open_app(tmp_path_factory):
 
 
 def run_form(tab, **changes) -> list:
-    values = {**train_ui.default_form(tab), "n_train": 96, "n_val": 8, "epochs": 1, "train_batch_size": 8,
+    values = {**train_handlers.default_form(tab), "n_train": 96, "n_val": 8, "epochs": 1, "train_batch_size": 8,
               "eval_batch_size": 8, "num_beams": 1, "logging_steps": 1, **changes}
-    return [values[name] for name in train_ui.FORM_FIELDS]
+    return [values[name] for name in train_handlers.FORM_FIELDS]
 
 
 def guarded_calls(served: App, upload: Path) -> dict:
@@ -60,7 +60,7 @@ def guarded_calls(served: App, upload: Path) -> dict:
 @pytest.fixture(scope="module")
 def upload_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("files") / "dialogues.jsonl"
-    path.write_text((ROOT / "data" / "sample" / "validation.jsonl").read_text())
+    path.write_text((SAMPLE_DIR / "validation.jsonl").read_text())
     return path
 
 
@@ -168,9 +168,9 @@ def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, uploa
     shown = viewer.predict(fn_index=page_load)
     run_text = next(v for v in shown if isinstance(v, str) and v.startswith("✅ **Run"))
     assert f"**Run {run_id}**: finished" in run_text and f"BLEU {status.eval_bleu:.2f}" in run_text
-    restarted = train_ui.TrainTab.create(auth=locked.tab.auth, runs_root=locked.runs)
-    assert f"**Run {run_id}**: finished" in train_ui.live_view(restarted, None)[1]
-    assert final in [spec for _, spec in ui.model_choices(locked.runs)]
+    restarted = train_handlers.TrainTab.create(auth=locked.tab.auth, runs_root=locked.runs)
+    assert f"**Run {run_id}**: finished" in train_handlers.live_view(restarted, None)[1]
+    assert final in [spec for _, spec in chat_handlers.picker_choices(locked.runs)]
     with pytest.raises(AppError, match="no run is running"):
         caller("train_stop")
 

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -20,17 +19,16 @@ from pathlib import Path
 import gradio as gr
 
 from chat.engine import (
-    DEFAULT_MODEL,
-    DEMO_DIR,
-    PRESETS,
+    GENERATION_PRESETS,
     Budget,
     ChatEngine,
     Conversation,
     GenerationSettings,
     InputError,
 )
+from chat.layout import DEFAULT_MODEL, DEMO_DIR, RESULTS_FILE, is_hub_id, list_finals
 from chat.prompt import EMOTIONS, KINDS
-from finetune.checkpoint import RESULTS_FILE, list_finals
+from finetune.runner import runs_root
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +61,7 @@ EXAMPLES = [
 ]
 
 SEED_MAX = 2**31 - 1
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 NOTICE_KEY = "persona-chat-notice"
-
-
-def runs_root() -> Path:
-    return Path(os.environ.get("PERSONA_CHAT_RUNS", "runs"))
 
 
 def base_model() -> str:
@@ -140,15 +133,15 @@ def history_to_turns(history) -> list[str]:
 
 def preset_values(preset: str) -> tuple[int, bool, float, float, int]:
     """The generation-settings controls' values for a preset (beams, sample, temp, top-p, max new)."""
-    s = PRESETS.get(preset, PRESETS["fast"])
+    s = GENERATION_PRESETS.get(preset, GENERATION_PRESETS["fast"])
     return s.num_beams, s.do_sample, s.temperature, s.top_p, s.max_new_tokens
 
 
 def settings_from_inputs(preset, beams, sample, temperature, top_p, max_new_tokens, seed) -> GenerationSettings:
     """The preset, overridden by the controls. Seed 0 (or empty) means a random seed."""
-    if preset not in PRESETS:
-        raise InputError(f"Unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
-    base = PRESETS[preset]
+    if preset not in GENERATION_PRESETS:
+        raise InputError(f"Unknown preset {preset!r}; choose one of {', '.join(GENERATION_PRESETS)}.")
+    base = GENERATION_PRESETS[preset]
     try:
         max_new = int(max_new_tokens if max_new_tokens is not None else base.max_new_tokens)
         seed = int(seed or 0)
@@ -191,8 +184,8 @@ def _setting_value(name: str, value, kind: type):
 
 def settings_from_api(preset: str = "fast", overrides: dict | None = None) -> GenerationSettings:
     """The API's settings: a preset plus any GenerationSettings fields by name."""
-    if preset not in PRESETS:
-        raise InputError(f"Unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+    if preset not in GENERATION_PRESETS:
+        raise InputError(f"Unknown preset {preset!r}; choose one of {', '.join(GENERATION_PRESETS)}.")
     if overrides is not None and not isinstance(overrides, dict):
         raise InputError("settings must be an object of generation settings by name.")
     overrides = dict(overrides or {})
@@ -200,15 +193,15 @@ def settings_from_api(preset: str = "fast", overrides: dict | None = None) -> Ge
     if unknown:
         raise InputError(f"Unknown settings {', '.join(unknown)}; known: {', '.join(SETTING_FIELDS)}.")
     for name, value in overrides.items():
-        overrides[name] = _setting_value(name, value, int if name == "seed" else type(getattr(PRESETS[preset], name)))
+        overrides[name] = _setting_value(name, value, int if name == "seed" else type(getattr(GENERATION_PRESETS[preset], name)))
     if overrides.get("seed") == 0:
         overrides["seed"] = None
     if overrides.get("seed") is not None and not 0 < overrides["seed"] <= SEED_MAX:
         raise InputError(f"seed must be between 0 (random) and {SEED_MAX}")
     if "max_new_tokens" in overrides and "min_new_tokens" not in overrides:
-        overrides["min_new_tokens"] = max(0, min(PRESETS[preset].min_new_tokens, overrides["max_new_tokens"]))
+        overrides["min_new_tokens"] = max(0, min(GENERATION_PRESETS[preset].min_new_tokens, overrides["max_new_tokens"]))
     try:
-        return replace(PRESETS[preset], **overrides)
+        return replace(GENERATION_PRESETS[preset], **overrides)
     except InputError:
         raise
     except (TypeError, ValueError) as err:
@@ -322,7 +315,7 @@ def model_label(spec: str) -> str:
     return spec
 
 
-def status_markdown(engine: ChatEngine) -> str:
+def serving_markdown(engine: ChatEngine) -> str:
     loaded = engine.current
     detail = f"input: prefix `{loaded.prefix.strip() or '(none)'}`, up to {loaded.max_source_length} tokens"
     if engine.status.startswith("offline"):
@@ -343,18 +336,13 @@ def _checkpoint_label(final: Path) -> str:
     return label + time.strftime(" · %Y-%m-%d %H:%M", time.localtime(final.stat().st_mtime))
 
 
-def finished_checkpoints(root: Path | str) -> list[Path]:
-    """RUN/final folders under ``root`` that hold a complete model, newest first."""
-    return list_finals(root)
-
-
-def model_choices(root: Path | str | None = None, base: str | None = None,
+def picker_choices(root: Path | str | None = None, base: str | None = None,
                   current: str | None = None) -> list[tuple[str, str]]:
     """The model picker's (label, spec) choices: base model, demo model, finished checkpoints
     (newest first), and the model being served if it is none of those."""
     base = base or base_model()
     choices = [(f"{base} (base model)", base), (model_label(str(DEMO_DIR)), str(DEMO_DIR))]
-    choices += [(_checkpoint_label(p), str(p)) for p in finished_checkpoints(root if root is not None else runs_root())]
+    choices += [(_checkpoint_label(p), str(p)) for p in list_finals(root if root is not None else runs_root())]
     seen, unique = set(), []
     for label, spec in choices:
         key = str(Path(spec).resolve()) if Path(spec).exists() else spec
@@ -378,7 +366,7 @@ def current_choice(engine: ChatEngine, choices: list[tuple[str, str]]) -> str | 
 
 
 def refresh_models(engine: ChatEngine, root: Path | str | None = None):
-    choices = model_choices(root, current=engine.current.name)
+    choices = picker_choices(root, current=engine.current.name)
     return gr.update(choices=choices, value=current_choice(engine, choices))
 
 
@@ -386,7 +374,7 @@ def spec_to_load(choice: str | None, hub_id: str | None) -> str:
     """The model to load: the Hub id typed by the user if any, else the picker's choice."""
     hub_id = (hub_id or "").strip()
     if hub_id:
-        if not HUB_ID.match(hub_id) or ".." in hub_id:
+        if not is_hub_id(hub_id, owner=True):
             raise InputError(f"{hub_id!r} is not a Hub model id (expected owner/name).")
         return hub_id
     if not choice:
@@ -401,7 +389,7 @@ def load_model(engine: ChatEngine, choice: str | None, hub_id: str | None, root:
         spec = spec_to_load(choice, hub_id)
     except InputError as err:
         gr.Warning(str(err))
-        yield status_markdown(engine), gr.skip()
+        yield serving_markdown(engine), gr.skip()
         return
     yield f"⏳ Loading {model_label(spec)} … (the current model keeps serving until it is ready)", gr.skip()
     try:
@@ -409,7 +397,7 @@ def load_model(engine: ChatEngine, choice: str | None, hub_id: str | None, root:
     except Exception as err:  # noqa: BLE001 - any failure leaves the served model as it was
         log.warning("cannot load %s: %s", spec, err)
         gr.Warning(f"Could not load {model_label(spec)}: {err}")
-        yield status_markdown(engine), gr.skip()
+        yield serving_markdown(engine), gr.skip()
         return
     gr.Info(f"Now serving {model_label(spec)}")
-    yield status_markdown(engine), refresh_models(engine, root)
+    yield serving_markdown(engine), refresh_models(engine, root)

@@ -139,7 +139,7 @@ def logout(session: Session | None) -> tuple[Session, str]:
     return Session(), "Logged out."
 
 
-def status_markdown(config: AuthConfig, session: Session | None, profile=None) -> str:
+def login_markdown(config: AuthConfig, session: Session | None, profile=None) -> str:
     """The Train tab's line about logging in."""
     if not config.enabled:
         return SETUP_HELP + (f"\n\n⚠️ {config.problem}" if config.problem else "")

@@ -9,13 +9,13 @@ import pandas as pd
 import pytest
 from datasets import Dataset, DatasetDict
 
+from chat.layout import SAMPLE_DIR
 from chat.prompt import build_source, format_context, join_source
 from finetune.config import parse_args
 from finetune.data import DataError, load_raw, tokenize
 from finetune.train import main
 
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "data" / "sample"
+SAMPLE = SAMPLE_DIR
 PREFIX = "chatbot: "
 GOOD = [{"texts": "context: happy  <s> i got the job!", "labels": "congrats!"},
         {"texts": "hello there. </s> <s> hi! how are you?", "labels": "i am fine."}]

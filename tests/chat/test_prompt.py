@@ -2,12 +2,12 @@
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from chat.layout import SAMPLE_DIR
 from chat.prompt import (
     KINDS,
     build_source,
@@ -18,7 +18,6 @@ from chat.prompt import (
     split_source,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "chatbot: "
 CONTEXT_KINDS = [k for k in KINDS if k != "none"]
 # Anything a tokenizer or a reader could take for a special token: spacing and case variants too.
@@ -83,7 +82,7 @@ def test_shipped_sample_rows_are_in_the_format():
     prefixes = {"your persona: ": "persona", "context: ": "emotion", "domain: ": "task", "topic: ": "topic"}
     seen = set()
     for split in ("train", "validation"):
-        for line in (ROOT / "data" / "sample" / f"{split}.jsonl").read_text().splitlines():
+        for line in (SAMPLE_DIR / f"{split}.jsonl").read_text().splitlines():
             texts = json.loads(line)["texts"]
             context_text, turns = split_source(texts)
             assert join_source(context_text, turns) == texts

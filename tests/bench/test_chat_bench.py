@@ -2,7 +2,7 @@
 
 import json
 
-from chat.bench import main, prompt_set
+from bench.chat import main, prompt_set
 from chat.engine import DEMO_DIR
 from chat.prompt import KINDS
 

@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 from chat.fastgen import CACHE_KWARG, BeamCache, EncoderNoRepeatNGram, NoRepeatNGram, fast_kwargs
-from finetune.model import load_model
+from chat.model import load_model
 
 
 def _ids(draw_seed: int, shape: tuple[int, int], vocab: int) -> torch.Tensor:

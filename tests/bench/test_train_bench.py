@@ -1,4 +1,4 @@
-"""finetune/bench.py: its argv is valid CLI input, the max-batch search, and the CPU smoke run
+"""bench/train.py: its argv is valid CLI input, the max-batch search, and the CPU smoke run
 (the real CLI on the tiny model, both recipes side by side)."""
 
 from __future__ import annotations
@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from finetune import bench
+from bench import train as train_bench
+from chat.layout import ROOT
 from finetune.config import parse_args
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _split(argv):
@@ -24,8 +22,8 @@ def _split(argv):
 @pytest.mark.parametrize("recipe,strategy,config", [("seed", "zero2", "zero2_seed.yaml"), ("tuned", "zero2", "zero2.yaml"),
                                                     ("seed", "ddp", "ddp.yaml"), ("tuned", "ddp", "ddp.yaml")])
 def test_gpu_commands_are_the_cli_with_each_recipe(tmp_path, recipe, strategy, config):
-    v = bench.Variant(recipe, strategy, "fixed", 800, 2, evaluate=True)
-    launcher, args = _split(bench.command(v, tmp_path, tmp_path / "out", smoke=False))
+    v = train_bench.Variant(recipe, strategy, "fixed", 800, 2, evaluate=True)
+    launcher, args = _split(train_bench.command(v, tmp_path, tmp_path / "out", smoke=False))
     assert launcher[launcher.index("--config_file") + 1] == f"configs/accelerate/{config}"
     assert (ROOT / "configs" / "accelerate" / config).is_file()
     assert launcher[launcher.index("--mixed_precision") + 1] == ("fp16" if recipe == "seed" else "bf16")
@@ -47,19 +45,19 @@ def test_max_batch_search_finds_the_largest_fitting_multiple():
 
         for estimate in (None, limit, 3 * limit, limit // 2 + 1):
             tried.clear()
-            assert bench.search_max_batch(fits, start=8, estimate=estimate, step=8) == limit - limit % 8
+            assert train_bench.search_max_batch(fits, start=8, estimate=estimate, step=8) == limit - limit % 8
             assert len(tried) <= 2 * limit.bit_length() + 2  # logarithmic, not a scan
             assert all(b % 8 == 0 for b in tried)
 
 
 def test_speedups_pair_recipes_of_the_same_setup():
     def result(recipe, data, rate, evaluate=None, n=2):
-        v = bench.Variant(recipe, "zero2", data, 800, n)
-        return dict(name=v.name, ok=True, variant=bench.asdict(v), samples_per_second=rate, eval_seconds=evaluate)
+        v = train_bench.Variant(recipe, "zero2", data, 800, n)
+        return dict(name=v.name, ok=True, variant=train_bench.asdict(v), samples_per_second=rate, eval_seconds=evaluate)
 
     runs = [result("seed", "fixed", 100, 30.0), result("tuned", "fixed", 160, 5.0), result("seed", "realistic", 100),
             result("tuned", "realistic", 350), result("tuned", "fixed", 85, n=1)]
-    got = bench.speedups(runs)
+    got = train_bench.speedups(runs)
     assert got["training samples/s, zero2, fixed"] == pytest.approx(1.6)
     assert got["evaluation, zero2, fixed (seed s / tuned s)"] == pytest.approx(6.0)
     assert got["training samples/s, zero2, realistic"] == pytest.approx(3.5)
@@ -68,7 +66,7 @@ def test_speedups_pair_recipes_of_the_same_setup():
 
 def test_smoke_run_measures_both_recipes(tmp_path, tiny_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "finetune.bench", "--smoke", "--parts", "train", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.train", "--smoke", "--parts", "train", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
@@ -83,11 +81,11 @@ def test_smoke_run_measures_both_recipes(tmp_path, tiny_path):
 
 
 def test_max_batch_estimate_is_linear_in_the_batch():
-    v = bench.Variant("seed", "ddp", "fixed", 800, 2)
-    result = dict(variant=bench.asdict(v), peak_gib=52.0, static_gib=2.0)
+    v = train_bench.Variant("seed", "ddp", "fixed", 800, 2)
+    result = dict(variant=train_bench.asdict(v), peak_gib=52.0, static_gib=2.0)
     # 50 GiB of activations for 800 rows; (97 - 2) / (50 / 800) rows fit in 97% of 100 GiB
-    assert bench.estimate_max_batch(result, 100.0) == 1520
-    assert bench.estimate_max_batch(dict(result, peak_gib=None), 100.0) is None
+    assert train_bench.estimate_max_batch(result, 100.0) == 1520
+    assert train_bench.estimate_max_batch(dict(result, peak_gib=None), 100.0) is None
 
 
 def test_max_batch_search_needs_few_probes_near_a_good_estimate():
@@ -99,7 +97,7 @@ def test_max_batch_search_needs_few_probes_near_a_good_estimate():
             tried.append(batch)
             return batch <= limit
 
-        assert bench.search_max_batch(fits, start=800, estimate=2003, step=32) == limit - limit % 32
+        assert train_bench.search_max_batch(fits, start=800, estimate=2003, step=32) == limit - limit % 32
         assert len(tried) <= 6, tried
 
 
@@ -109,6 +107,6 @@ def test_max_batch_search_needs_few_probes_near_a_good_estimate():
 ])
 def test_bad_max_batch_options_are_refused_before_any_work(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit:
-        bench.main(["--out", str(tmp_path / "b"), "--parts", "maxbatch", *argv])
+        train_bench.main(["--out", str(tmp_path / "b"), "--parts", "maxbatch", *argv])
     assert exit.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "b").exists()

@@ -1,4 +1,4 @@
-"""Chat latency / throughput / memory benchmark: ``python -m chat.bench``.
+"""Chat latency / throughput / memory benchmark: ``python -m bench.chat``.
 
 Measures, on the 400M architecture (real weights when the Hub has them, else ``random-400M``),
 for each preset: reply latency p50/p95 over a fixed prompt set from the shipped validation data,
@@ -24,9 +24,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from chat.engine import PRESETS, ChatEngine, Conversation, load_checkpoint
+from chat.engine import GENERATION_PRESETS, ChatEngine, Conversation, load_checkpoint
 from chat.prompt import split_source
-from finetune.model import ModelLoadError
+from chat.model import ModelLoadError
 
 SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample" / "validation.jsonl"
 _KIND_OF = {"your persona: ": "persona", "context: ": "emotion", "domain: ": "task", "topic: ": "topic"}
@@ -69,7 +69,7 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
     load_s = time.perf_counter() - start
     engine.warm_up()  # compiles the GPU CUDA-graph decoding once, as ChatEngine.start does
     result = dict(optimize=optimize, load_seconds=load_s, device=str(engine.current.model.device))
-    for name, preset in PRESETS.items():
+    for name, preset in GENERATION_PRESETS.items():
         settings = replace(preset, min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
         engine.reply(*prompts[0], settings)  # warm-up
         latencies, first = [], []
@@ -88,7 +88,7 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
         result[name] = dict(p50=statistics.median(latencies), p95=pct(latencies, 0.95),
                             first_text_p50=statistics.median(first) if first else None)
     # Throughput: the same chats one by one, then all at once (batched by the engine).
-    settings = replace(PRESETS["fast"], min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
+    settings = replace(GENERATION_PRESETS["fast"], min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
     chats = (prompts * concurrency)[:concurrency]
     t0 = time.perf_counter()
     for conv, message in chats:
@@ -121,7 +121,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m chat.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.chat", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="facebook/blenderbot-400M-distill",
                         help="checkpoint to time; falls back to random-400M when the Hub is unreachable")
     parser.add_argument("--optimize", default="none,auto", help="comma-separated variants: none, bf16, int8, auto")

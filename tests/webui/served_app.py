@@ -9,8 +9,8 @@ from pathlib import Path
 
 from gradio_client import Client
 
-from chat import auth, train_ui
 from chat.engine import DEMO_DIR, ChatEngine, load_checkpoint
+from webui import auth, train_handlers
 
 
 def free_port() -> int:
@@ -29,7 +29,7 @@ class App:
         self.saved = {k: os.environ.get(k) for k in ("PERSONA_CHAT_RUNS", "PERSONA_CHAT_DATA")}
         os.environ.update(PERSONA_CHAT_RUNS=str(self.runs), PERSONA_CHAT_DATA=str(self.data))
         self.engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
-        self.tab = train_ui.TrainTab.create(auth=config, runs_root=self.runs)
+        self.tab = train_handlers.TrainTab.create(auth=config, runs_root=self.runs)
         self.demo = app.build_demo(self.engine, self.tab)
         _, self.url, _ = self.demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
                                           quiet=True, **app.LAUNCH_OPTIONS)

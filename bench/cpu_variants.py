@@ -1,7 +1,7 @@
 """Compare the CPU optimizations of ``chat.optimize`` in one process: latency, streaming, memory, numerics.
 
-    PERSONA_CHAT_CACHE=/tmp/pcache2 python -m chat.bench_variants            # ~3-5 min on 2 cores
-    python -m chat.bench_variants --variants none,int8 --prompts 4 --out bench.json
+    PERSONA_CHAT_CACHE=/tmp/pcache2 python -m bench.cpu_variants            # ~3-5 min on 2 cores
+    python -m bench.cpu_variants --variants none,int8 --prompts 4 --out bench.json
 
 For each variant (a mode of ``optimize_for_cpu``, optionally ``@THREADS``, e.g. ``int8@1``) and a
 fixed set of 64-token prompts ("chatbot: " + the most recent text of sample validation
@@ -88,7 +88,7 @@ def chat_generation_config(model):
 
 
 def load(model_name: str, mode: str | None = None, num_threads: int | None = None):
-    from finetune.model import load_model
+    from chat.model import load_model
 
     model = load_model(model_name).eval()
     model.generation_config = chat_generation_config(model)
@@ -229,7 +229,7 @@ def token_agreement(a: list[int], b: list[int]) -> float:
 
 
 def rss_probe(model_name: str, mode: str, prompt_tokens: int, reply_tokens: int) -> dict:
-    from finetune.model import load_tokenizer
+    from chat.model import load_tokenizer
 
     quiet_transformers()
     base = memory_mib()["rss"]
@@ -252,7 +252,7 @@ def rss_probe(model_name: str, mode: str, prompt_tokens: int, reply_tokens: int)
 
 
 def run_probe(model_name: str, mode: str, args) -> dict:
-    cmd = [sys.executable, "-m", "chat.bench_variants", "--rss_probe", mode, "--model", model_name,
+    cmd = [sys.executable, "-m", "bench.cpu_variants", "--rss_probe", mode, "--model", model_name,
            "--prompt_tokens", str(args.prompt_tokens), "--reply_tokens", str(args.reply_tokens)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
@@ -267,7 +267,7 @@ def run_probe(model_name: str, mode: str, args) -> dict:
 
 
 def demo_check(modes: list[str], n_prompts: int, reply_tokens: int) -> dict:
-    from finetune.model import load_tokenizer
+    from chat.model import load_tokenizer
 
     tok = load_tokenizer(str(DEMO_DIR))
     prompts = build_prompts(tok, n_prompts, 64)
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rss_probe(args.model, args.rss_probe, args.prompt_tokens, args.reply_tokens)))
         return 0
 
-    from finetune.model import load_tokenizer
+    from chat.model import load_tokenizer
 
     started = time.perf_counter()
     default_threads = torch.get_num_threads()
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                   model=args.model, prompts=args.prompts, repeats=args.repeats, prompt_tokens=args.prompt_tokens,
                   reply_tokens=args.reply_tokens, date=datetime.date.today().isoformat(),
                   loadavg_start=os.getloadavg()[0],
-                  command="python -m chat.bench_variants " + " ".join(argv if argv is not None else sys.argv[1:]))
+                  command="python -m bench.cpu_variants " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"# {header['cpu']} ({header['cores']} CPUs), torch {header['torch']}, "
           f"transformers {header['transformers']}, load average {header['loadavg_start']:.2f}", flush=True)
 

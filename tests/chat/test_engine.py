@@ -30,9 +30,9 @@ from safetensors.torch import load_file, save_file
 from chat.engine import (
     BASE_PREFIX,
     DEMO_DIR,
+    GENERATION_PRESETS,
     MAX_CONTEXT_CHARS,
     MAX_MESSAGE_CHARS,
-    PRESETS,
     Budget,
     ChatEngine,
     CheckpointError,
@@ -379,7 +379,7 @@ def test_long_context_never_hides_the_message(engine, demo):
 
 
 def test_presets():
-    faithful, fast = PRESETS["faithful"], PRESETS["fast"]
+    faithful, fast = GENERATION_PRESETS["faithful"], GENERATION_PRESETS["fast"]
     assert (faithful.num_beams, faithful.min_new_tokens, faithful.no_repeat_ngram_size,
             faithful.encoder_no_repeat_ngram_size, faithful.repetition_penalty) == (10, 20, 3, 3, 1.2)
     assert not faithful.streams and not faithful.do_sample
@@ -390,12 +390,12 @@ def test_presets():
 
 
 def test_faithful_reply_is_at_least_20_new_tokens(engine, demo, generate_calls):
-    reply, _ = engine.reply(DOGS, HELLO, PRESETS["faithful"])
+    reply, _ = engine.reply(DOGS, HELLO, GENERATION_PRESETS["faithful"])
     assert len(generate_calls) == 1
     out = generate_calls[0]
     assert out.shape[0] == 1 and out.shape[1] - 1 >= 20  # minus the decoder start token
     assert len(demo.tokenizer(reply).input_ids) - 1 >= 18  # text tokens (re-tokenized, minus </s>)
-    assert reply != engine.reply(DOGS, HELLO, PRESETS["fast"])[0]
+    assert reply != engine.reply(DOGS, HELLO, GENERATION_PRESETS["fast"])[0]
 
 
 @pytest.mark.parametrize("bad", [
@@ -407,7 +407,7 @@ def test_generation_settings_reject_bad_values(bad):
     with pytest.raises(InputError):
         GenerationSettings(**bad)
     with pytest.raises(InputError):  # the UI overrides single fields of a preset
-        replace(PRESETS["fast"], **bad)
+        replace(GENERATION_PRESETS["fast"], **bad)
 
 
 def test_generation_settings_reject_non_positive_repetition_penalty():
@@ -430,20 +430,20 @@ def test_sampling_with_a_seed_is_reproducible(engine):
 
 @pytest.mark.parametrize("conv", [DOGS, ANGRY], ids=conv_id)
 def test_fast_stream_grows_to_the_greedy_reply(engine, conv, greedy):
-    parts = list(engine.stream(conv, HELLO, PRESETS["fast"]))
+    parts = list(engine.stream(conv, HELLO, GENERATION_PRESETS["fast"]))
     texts = [t for t, _ in parts]
     assert len(set(texts)) >= 3
     for a, b in zip(texts, texts[1:]):
         assert b.startswith(a)
-    assert texts[-1] == greedy[conv_id(conv)] == engine.reply(conv, HELLO, PRESETS["fast"])[0]
+    assert texts[-1] == greedy[conv_id(conv)] == engine.reply(conv, HELLO, GENERATION_PRESETS["fast"])[0]
     budget = engine.build_input(replace(conv, turns=[HELLO]))[1]
     assert all(b == budget for _, b in parts)
 
 
 def test_beam_stream_yields_once(engine, generate_calls):
-    parts = list(engine.stream(DOGS, HELLO, PRESETS["faithful"]))
+    parts = list(engine.stream(DOGS, HELLO, GENERATION_PRESETS["faithful"]))
     assert len(parts) == 1
-    assert parts[0][0] == engine.reply(DOGS, HELLO, PRESETS["faithful"])[0]
+    assert parts[0][0] == engine.reply(DOGS, HELLO, GENERATION_PRESETS["faithful"])[0]
     assert len(generate_calls) == 2
 
 
@@ -459,10 +459,10 @@ def assert_clean(reply: str) -> None:
 @pytest.mark.parametrize("preset", ["fast", "faithful"])
 def test_replies_are_clean(engine, preset):
     for conv in SAMPLE_CONVS:
-        reply, _ = engine.reply(conv, HELLO, PRESETS[preset])
+        reply, _ = engine.reply(conv, HELLO, GENERATION_PRESETS[preset])
         assert reply
         assert_clean(reply)
-        for partial, _ in engine.stream(conv, "and what do you do for fun?", PRESETS[preset]):
+        for partial, _ in engine.stream(conv, "and what do you do for fun?", GENERATION_PRESETS[preset]):
             assert_clean(partial)
 
 

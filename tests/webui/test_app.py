@@ -1,4 +1,4 @@
-"""The web app: chat/ui.py's functions, the README's Space front matter, and the launched app
+"""The web app: webui/chat_handlers.py's functions, the README's Space front matter, and the launched app
 through gradio_client (the bundled demo model, offline, on 127.0.0.1), plus ``python app.py``
 started as users start it.
 
@@ -25,10 +25,9 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from chat import ui
 from chat.engine import (
     DEMO_DIR,
-    PRESETS,
+    GENERATION_PRESETS,
     Budget,
     ChatEngine,
     Conversation,
@@ -36,11 +35,12 @@ from chat.engine import (
     InputError,
     load_checkpoint,
 )
+from chat.layout import ROOT
 from chat.prompt import EMOTIONS, KINDS
+from webui import chat_handlers
 
-ROOT = Path(__file__).resolve().parent.parent
 HELLO = "hi! tell me about yourself."
-CONTEXTS = {"persona": ui.CHAT_E_PERSONA, "emotion": "joyful", "task": "vacation ideas", "topic": "jazz", "none": ""}
+CONTEXTS = {"persona": chat_handlers.CHAT_E_PERSONA, "emotion": "joyful", "task": "vacation ideas", "topic": "jazz", "none": ""}
 
 
 def free_port() -> int:
@@ -106,17 +106,17 @@ def model_calls(engine, monkeypatch) -> list:
     return calls
 
 
-# --------------------------------------------------------------------------- chat/ui.py
+# --------------------------------------------------------------------------- webui/chat_handlers.py
 
 
 def test_kind_choices_send_kinds_values():
-    assert [value for _, value in ui.KIND_CHOICES] == list(KINDS)
-    assert [label for label, _ in ui.KIND_CHOICES] == ["Persona", "Emotion", "Task goal", "Topic", "None"]
+    assert [value for _, value in chat_handlers.KIND_CHOICES] == list(KINDS)
+    assert [label for label, _ in chat_handlers.KIND_CHOICES] == ["Persona", "Emotion", "Task goal", "Topic", "None"]
 
 
 def test_examples_cover_every_kind_with_chat_e_contexts():
-    assert sorted({kind for _, kind, _ in ui.EXAMPLES}) == sorted(KINDS)
-    contexts = {kind: context for _, kind, context in ui.EXAMPLES}
+    assert sorted({kind for _, kind, _ in chat_handlers.EXAMPLES}) == sorted(KINDS)
+    contexts = {kind: context for _, kind, context in chat_handlers.EXAMPLES}
     assert contexts["persona"] == "My name is Chat-E. I'm helpful, creative, clever, sarcastic and very friendly."
     assert contexts["emotion"] in EMOTIONS and contexts["task"] == "vacation ideas"
 
@@ -124,12 +124,12 @@ def test_examples_cover_every_kind_with_chat_e_contexts():
 def test_history_to_turns_plain_and_gradio_normalized():
     plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"},
              {"role": "user", "content": "how are you?"}, {"role": "assistant", "content": "fine."}]
-    assert ui.history_to_turns(plain) == ["hi", "hello!", "how are you?", "fine."]
+    assert chat_handlers.history_to_turns(plain) == ["hi", "hello!", "how are you?", "fine."]
     # What gr.Chatbot's preprocess hands over: content is a list of parts, metadata present.
     normalized = [{"role": m["role"], "metadata": None, "options": None,
                    "content": [{"type": "text", "text": m["content"]}]} for m in plain]
-    assert ui.history_to_turns(normalized) == ui.history_to_turns(plain)
-    assert ui.history_to_turns([]) == [] and ui.history_to_turns(None) == []
+    assert chat_handlers.history_to_turns(normalized) == chat_handlers.history_to_turns(plain)
+    assert chat_handlers.history_to_turns([]) == [] and chat_handlers.history_to_turns(None) == []
 
 
 def test_history_to_turns_keeps_the_dialogue_alternating():
@@ -137,27 +137,27 @@ def test_history_to_turns_keeps_the_dialogue_alternating():
         {"role": "system", "content": "ignored"},
         {"role": "assistant", "content": "Hello, I'm Chat-E!"},  # the bot spoke first
         {"role": "user", "content": ""},
-        ui.notice("Type a message first."),  # refused: neither side is a turn
+        chat_handlers.notice("Type a message first."),  # refused: neither side is a turn
         {"role": "user", "content": "never answered (stopped)"},
         {"role": "user", "content": "  what  is\nup? "},
         {"role": "assistant", "content": "not much."},
         {"role": "assistant", "content": [{"type": "text", "text": "you?"}, {"type": "file", "file": {"path": "x"}}]},
         {"role": "user", "content": "too long " * 200},
-        ui.notice("The message is too long."),
+        chat_handlers.notice("The message is too long."),
     ]
-    assert ui.history_to_turns(history) == ["Hello, I'm Chat-E!", "what is up?", "not much. you?"]
+    assert chat_handlers.history_to_turns(history) == ["Hello, I'm Chat-E!", "what is up?", "not much. you?"]
 
 
 def test_settings_from_inputs_presets_and_overrides():
-    for name, preset in PRESETS.items():
-        assert ui.settings_from_inputs(name, *ui.preset_values(name), 0) == preset
-    s = ui.settings_from_inputs("faithful", 4, True, 0.5, 0.8, 10, 42)
+    for name, preset in GENERATION_PRESETS.items():
+        assert chat_handlers.settings_from_inputs(name, *chat_handlers.preset_values(name), 0) == preset
+    s = chat_handlers.settings_from_inputs("faithful", 4, True, 0.5, 0.8, 10, 42)
     assert (s.num_beams, s.do_sample, s.temperature, s.top_p, s.max_new_tokens, s.seed) == (4, True, 0.5, 0.8, 10, 42)
     assert s.min_new_tokens == 10  # faithful's minimum of 20 gives way to a max of 10
-    assert s.encoder_no_repeat_ngram_size == PRESETS["faithful"].encoder_no_repeat_ngram_size
-    assert ui.settings_from_inputs("fast", 1, False, 0.7, 0.9, 40, None).seed is None
-    assert ui.settings_from_inputs("fast", 1.0, False, 0.7, 0.9, 40.0, 3.0) == GenerationSettings(
-        **{**PRESETS["fast"].__dict__, "seed": 3})
+    assert s.encoder_no_repeat_ngram_size == GENERATION_PRESETS["faithful"].encoder_no_repeat_ngram_size
+    assert chat_handlers.settings_from_inputs("fast", 1, False, 0.7, 0.9, 40, None).seed is None
+    assert chat_handlers.settings_from_inputs("fast", 1.0, False, 0.7, 0.9, 40.0, 3.0) == GenerationSettings(
+        **{**GENERATION_PRESETS["fast"].__dict__, "seed": 3})
 
 
 @pytest.mark.parametrize("args", [("slow", 1, False, 0.7, 0.9, 40, 0), ("fast", 0, False, 0.7, 0.9, 40, 0),
@@ -165,40 +165,40 @@ def test_settings_from_inputs_presets_and_overrides():
                                   ("fast", 1, False, 0.7, 0.9, 40, -1), ("fast", "x", False, 0.7, 0.9, 40, 0)])
 def test_settings_from_inputs_refuses_bad_values(args):
     with pytest.raises(InputError):
-        ui.settings_from_inputs(*args)
+        chat_handlers.settings_from_inputs(*args)
 
 
 def test_settings_from_api():
-    assert ui.settings_from_api() == PRESETS["fast"]
-    s = ui.settings_from_api("faithful", {"num_beams": 2, "max_new_tokens": 8, "seed": 0})
+    assert chat_handlers.settings_from_api() == GENERATION_PRESETS["fast"]
+    s = chat_handlers.settings_from_api("faithful", {"num_beams": 2, "max_new_tokens": 8, "seed": 0})
     assert (s.num_beams, s.max_new_tokens, s.min_new_tokens, s.seed) == (2, 8, 8, None)
-    assert ui.settings_from_api("fast", {"temperature": 1, "do_sample": True, "seed": 7.0}).seed == 7
+    assert chat_handlers.settings_from_api("fast", {"temperature": 1, "do_sample": True, "seed": 7.0}).seed == 7
     for preset, overrides in [("fast", {"beams": 2}), ("nope", None), ("fast", {"num_beams": "many"}),
                               ("fast", {"top_p": 3}), ("fast", {"num_beams": 2.5}), ("fast", {"do_sample": 1}),
                               ("fast", {"seed": "abc"}), ("fast", {"seed": -3}), ("fast", {"seed": True}),
                               ("fast", ["num_beams", 2])]:
         with pytest.raises(InputError):
-            ui.settings_from_api(preset, overrides)
+            chat_handlers.settings_from_api(preset, overrides)
 
 
 def test_meter_text():
-    assert ui.meter_text(Budget(12, 30, 42, 128, 0)) == "context 12 + history 30 = 42 / 128 tokens; 0 old turns dropped"
-    assert ui.meter_text(Budget(20, 108, 128, 128, 1)).endswith("128 / 128 tokens; 1 old turn dropped")
-    assert "after the first reply" in ui.meter_text(None)
+    assert chat_handlers.meter_text(Budget(12, 30, 42, 128, 0)) == "context 12 + history 30 = 42 / 128 tokens; 0 old turns dropped"
+    assert chat_handlers.meter_text(Budget(20, 108, 128, 128, 1)).endswith("128 / 128 tokens; 1 old turn dropped")
+    assert "after the first reply" in chat_handlers.meter_text(None)
 
 
 def test_context_follows_the_kind():
-    assert ui.context_for_kind("emotion", ui.CHAT_E_PERSONA) == "joyful"
-    assert ui.context_for_kind("emotion", "happy") == "happy"  # Chat-E's value is kept as a custom one
-    assert ui.context_for_kind("task", "joyful") == "vacation ideas"
-    assert ui.context_for_kind("persona", "") == ui.CHAT_E_PERSONA
-    assert ui.context_for_kind("persona", "i am a chef.") == "i am a chef."  # the user's own text stays
-    assert ui.context_for_kind("none", "jazz") == "jazz"
-    textbox, dropdown = ui.context_visibility("emotion")
+    assert chat_handlers.context_for_kind("emotion", chat_handlers.CHAT_E_PERSONA) == "joyful"
+    assert chat_handlers.context_for_kind("emotion", "happy") == "happy"  # Chat-E's value is kept as a custom one
+    assert chat_handlers.context_for_kind("task", "joyful") == "vacation ideas"
+    assert chat_handlers.context_for_kind("persona", "") == chat_handlers.CHAT_E_PERSONA
+    assert chat_handlers.context_for_kind("persona", "i am a chef.") == "i am a chef."  # the user's own text stays
+    assert chat_handlers.context_for_kind("none", "jazz") == "jazz"
+    textbox, dropdown = chat_handlers.context_visibility("emotion")
     assert (textbox["visible"], dropdown["visible"]) == (False, True)
-    textbox, dropdown = ui.context_visibility("task")
+    textbox, dropdown = chat_handlers.context_visibility("task")
     assert (textbox["visible"], textbox["label"], dropdown["visible"]) == (True, "Task goal", False)
-    assert ui.context_visibility("none")[0]["visible"] is False
+    assert chat_handlers.context_visibility("none")[0]["visible"] is False
 
 
 def make_final(root: Path, name: str, mtime: float, bleu: float | None = None, complete: bool = True) -> Path:
@@ -219,15 +219,15 @@ def test_model_choices_lists_base_demo_and_finished_runs_newest_first(tmp_path):
     new = make_final(tmp_path, "new", 2_000_000)
     make_final(tmp_path, "crashed", 3_000_000, complete=False)
     (tmp_path / "running" / "checkpoints").mkdir(parents=True)
-    choices = ui.model_choices(tmp_path, base="facebook/blenderbot-400M-distill")
+    choices = chat_handlers.picker_choices(tmp_path, base="facebook/blenderbot-400M-distill")
     assert [spec for _, spec in choices] == ["facebook/blenderbot-400M-distill", str(DEMO_DIR), str(new), str(old)]
     labels = [label for label, _ in choices]
     assert labels[0] == "facebook/blenderbot-400M-distill (base model)" and labels[1].startswith("demo model")
     assert labels[3].startswith("old/final · BLEU 7.1 · ")
     # A model being served that is none of those (a Hub id typed by a user) is listed first.
-    served = ui.model_choices(tmp_path, base="b/base", current="user/other")
+    served = chat_handlers.picker_choices(tmp_path, base="b/base", current="user/other")
     assert served[0] == ("user/other (serving)", "user/other") and len(served) == 5
-    assert ui.model_choices(tmp_path / "missing", base="b/base", current=str(DEMO_DIR)) == \
+    assert chat_handlers.picker_choices(tmp_path / "missing", base="b/base", current=str(DEMO_DIR)) == \
         [("b/base (base model)", "b/base"), ("demo model (tiny, bundled)", str(DEMO_DIR))]
 
 
@@ -235,48 +235,48 @@ def test_model_choices_default_base_and_runs_root_from_env(tmp_path, monkeypatch
     new = make_final(tmp_path, "r1", 2_000_000)
     monkeypatch.setenv("PERSONA_CHAT_RUNS", str(tmp_path))
     monkeypatch.setenv("CHAT_MODEL", "me/chat")
-    assert [spec for _, spec in ui.model_choices()] == ["me/chat", str(DEMO_DIR), str(new)]
+    assert [spec for _, spec in chat_handlers.picker_choices()] == ["me/chat", str(DEMO_DIR), str(new)]
     monkeypatch.delenv("CHAT_MODEL")
-    assert ui.model_choices()[0][1] == "facebook/blenderbot-400M-distill"
+    assert chat_handlers.picker_choices()[0][1] == "facebook/blenderbot-400M-distill"
 
 
 def test_spec_to_load():
-    assert ui.spec_to_load(str(DEMO_DIR), "  ") == str(DEMO_DIR)
-    assert ui.spec_to_load(str(DEMO_DIR), " user/my-model ") == "user/my-model"
+    assert chat_handlers.spec_to_load(str(DEMO_DIR), "  ") == str(DEMO_DIR)
+    assert chat_handlers.spec_to_load(str(DEMO_DIR), " user/my-model ") == "user/my-model"
     for hub_id in ["/etc", "../x/y", "a/b/c", "user/../x", "no-slash"]:
         with pytest.raises(InputError):
-            ui.spec_to_load(None, hub_id)
+            chat_handlers.spec_to_load(None, hub_id)
     with pytest.raises(InputError):
-        ui.spec_to_load(None, "")
+        chat_handlers.spec_to_load(None, "")
 
 
 def test_status_markdown(engine, fresh_engine):
-    offline = ui.status_markdown(engine)
+    offline = chat_handlers.serving_markdown(engine)
     assert offline.startswith("⚠️ **Offline: using the demo model (a tiny BlenderBot) instead of facebook/x.**")
-    assert ui.status_markdown(fresh_engine).startswith("✅ **Serving demo model (tiny, bundled)**")
+    assert chat_handlers.serving_markdown(fresh_engine).startswith("✅ **Serving demo model (tiny, bundled)**")
     assert "up to 128 tokens" in offline and "`chatbot:`" in offline
 
 
 def test_chat_fn_streams_reply_and_meter(engine):
-    respond = ui.chat_fn(engine)
+    respond = chat_handlers.chat_fn(engine)
     history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi! how are you?"}]
-    out = list(respond(HELLO, history, "persona", "i love dogs.", "fast", *ui.preset_values("fast")[:4], 40, 0))
+    out = list(respond(HELLO, history, "persona", "i love dogs.", "fast", *chat_handlers.preset_values("fast")[:4], 40, 0))
     texts = [t for t, _ in out]
     assert texts[-1] and all(b.startswith(a) for a, b in itertools.pairwise(texts))  # it streams
     expected, budget = engine.reply(Conversation("persona", "i love dogs.", ["hello", "hi! how are you?"]), HELLO)
     assert texts[-1] == expected
-    assert out[-1][1] == ui.meter_text(budget) and budget.history_tokens > 0
+    assert out[-1][1] == chat_handlers.meter_text(budget) and budget.history_tokens > 0
 
 
 def test_chat_fn_refuses_bad_input_without_model_call(fresh_engine, monkeypatch):
     calls = model_calls(fresh_engine, monkeypatch)
-    respond = ui.chat_fn(fresh_engine)
+    respond = chat_handlers.chat_fn(fresh_engine)
     titles = []
     for message, kind, context, seed in [("", "none", "", 0), ("   ", "persona", "x", 0), ("hi", "persona", "", 0),
                                          ("x" * 1001, "none", "", 0), ("hi", "nope", "", 0), ("hi", "none", "", -5)]:
         with pytest.warns(UserWarning):  # gr.Warning outside a request becomes a Python warning
             (reply, meter), = list(respond(message, [], kind, context, "fast", 1, False, 0.7, 0.9, 40, seed))
-        assert ui.is_notice(reply) and reply["metadata"]["title"].startswith("⚠️ ")
+        assert chat_handlers.is_notice(reply) and reply["metadata"]["title"].startswith("⚠️ ")
         assert meter == gr.skip()
         titles.append(reply["metadata"]["title"])
     assert titles[:4] == ["⚠️ Type a message first.", "⚠️ Type a message first.",
@@ -294,10 +294,10 @@ def test_load_model_keeps_serving_on_failure(fresh_engine, tiny_path, tmp_path):
     (broken / "config.json").write_text("{}")
     for choice, hub in [(str(broken), ""), (None, "not a hub id"), (str(tmp_path / "nothing"), "")]:
         with pytest.warns(UserWarning, match="Could not load|not a Hub model id|Pick a model"):
-            steps = list(ui.load_model(fresh_engine, choice, hub))
-        assert steps[-1][0] == ui.status_markdown(fresh_engine)
+            steps = list(chat_handlers.load_model(fresh_engine, choice, hub))
+        assert steps[-1][0] == chat_handlers.serving_markdown(fresh_engine)
         assert fresh_engine.current is before
-    steps = list(ui.load_model(fresh_engine, str(tiny_path), ""))
+    steps = list(chat_handlers.load_model(fresh_engine, str(tiny_path), ""))
     assert steps[0][0].startswith("⏳ Loading")
     assert fresh_engine.current is not before and fresh_engine.status == f"serving {tiny_path}"
     assert steps[-1][0].startswith(f"✅ **Serving {tiny_path}**")
@@ -320,7 +320,7 @@ def test_blocks_wiring(engine):
     assert isinstance(chat, gr.ChatInterface)
     labels = [c.label for c in chat.additional_inputs]
     assert labels[:3] == ["The bot has a…", "Persona", "Preset"]
-    assert chat.additional_inputs[0].choices == [tuple(c) for c in ui.KIND_CHOICES]
+    assert chat.additional_inputs[0].choices == [tuple(c) for c in chat_handlers.KIND_CHOICES]
     assert chat.cache_examples is False and chat.api_visibility == "private"
     public = [d for d in demo.fns.values() if d.api_visibility == "public"]
     assert [d.api_name for d in public] == ["chat"]
@@ -339,7 +339,7 @@ def test_chat_interface_round_trip_keeps_the_dialogue(engine):
     import app
 
     chat = app.build_demo(engine).chat_interface
-    inputs = ["persona", "i love dogs.", "fast", *ui.preset_values("fast")[:4], 40, 0]
+    inputs = ["persona", "i love dogs.", "fast", *chat_handlers.preset_values("fast")[:4], 40, 0]
 
     async def send(message, history):
         outputs = [out async for out in chat._stream_fn(message, history, *inputs)]
@@ -353,9 +353,9 @@ def test_chat_interface_round_trip_keeps_the_dialogue(engine):
     assert meter.startswith("context ") and meter.endswith("0 old turns dropped")
     with pytest.warns(UserWarning, match="Type a message first"):
         refused, history, meter = asyncio.run(send("  ", browser(history)))
-    assert ui.is_notice(refused) and meter == gr.skip()
+    assert chat_handlers.is_notice(refused) and meter == gr.skip()
     reply2, history, _ = asyncio.run(send("do you have pets?", browser(history)))
-    assert ui.history_to_turns(browser(history)) == ["hi there", reply, "do you have pets?", reply2]
+    assert chat_handlers.history_to_turns(browser(history)) == ["hi there", reply, "do you have pets?", reply2]
     assert reply2 == engine.reply(Conversation("persona", "i love dogs.", ["hi there", reply]), "do you have pets?")[0]
 
 
@@ -404,7 +404,7 @@ def test_api_streams_and_takes_settings(client, engine):
     assert all(b.startswith(a) for a, b in itertools.pairwise(outputs))
     beam = client.predict(HELLO, "topic", "jazz", preset="faithful", settings={"num_beams": 3, "max_new_tokens": 12},
                           api_name="/chat")
-    expected = engine.reply(Conversation("topic", "jazz"), HELLO, ui.settings_from_api(
+    expected = engine.reply(Conversation("topic", "jazz"), HELLO, chat_handlers.settings_from_api(
         "faithful", {"num_beams": 3, "max_new_tokens": 12}))[0]
     assert beam == expected
 
@@ -450,7 +450,7 @@ def test_two_clients_conversations_stay_apart(server):
 @pytest.mark.parametrize("message", ["", "   ", "<s> </s>"])
 def test_empty_message_gives_the_friendly_error(client, message):
     with pytest.raises(AppError, match="Type a message first."):
-        client.predict(message, "persona", ui.CHAT_E_PERSONA, api_name="/chat")
+        client.predict(message, "persona", chat_handlers.CHAT_E_PERSONA, api_name="/chat")
     assert client.predict("still there?", "none", "", api_name="/chat").strip()  # the app keeps serving
 
 
