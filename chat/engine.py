@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 BASE_PREFIX = "chatbot: "
 MAX_MESSAGE_CHARS = 1000  # server-side limits on user text
 MAX_CONTEXT_CHARS = 600
+# A conversation longer than this is refused: the model sees only its newest turns (128 tokens),
+# and the cap bounds the work one request can cause, whatever a client sends.
+MAX_HISTORY_TURNS = 1000
 
 
 class CheckpointError(RuntimeError):
@@ -293,6 +296,9 @@ class ChatEngine:
             context_text = format_context(conv.kind, context)
         except ValueError:
             raise InputError(f"The {conv.kind} needs a context (e.g. a persona sentence).") from None
+        if len(conv.turns) > MAX_HISTORY_TURNS:
+            raise InputError(f"The conversation is too long ({len(conv.turns)} turns; the limit is "
+                             f"{MAX_HISTORY_TURNS}). Start a new chat: the model only sees the last few turns.")
         turns = [neutralize(clean_text(t, MAX_MESSAGE_CHARS, "message")) for t in conv.turns]
         if not turns or not turns[-1]:
             raise InputError("Type a message first.")

@@ -45,8 +45,9 @@ EMOTIONS = (
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>", "<mask>")
 # Anything shaped like a special token, with stray spaces or case changes, e.g. "< /S >".
 _SPECIAL_RE = re.compile(r"<\s*/?\s*(?:s|pad|unk|mask)\s*>", re.IGNORECASE)
-# Control characters (C0 but tab and newline, DEL, C1): never meaningful in a chat or a dialogue row.
-CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Characters never meaningful in a chat or a dialogue row: control characters (C0 but tab and
+# newline, DEL, C1) and lone surrogates (not text at all: the tokenizer cannot encode them).
+CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 _SPACES_RE = re.compile(r"\s+")
 
 
@@ -124,12 +125,23 @@ def fit_source(
     and the newest turn are always kept; if those two alone do not fit, the newest turn loses
     its oldest words (the only mid-turn cut, and only for a single over-long message). Returns
     the fitted source and the number of turns dropped.
+
+    The work is bounded whatever the history's length: every turn takes at least one token, so
+    only the newest ``max_tokens`` turns can fit, and fewer turns never take more tokens, so a
+    binary search finds the oldest turn that fits in ~log2(max_tokens) counts.
     """
     turns = list(turns)
-    for start in range(len(turns)):
+    low, high = max(0, len(turns) - max_tokens), len(turns) - 1  # candidates for the first kept turn
+    fitted = None
+    while low <= high:
+        start = (low + high) // 2
         source = join_source(context_text, turns[start:])
         if count_tokens(source) <= max_tokens:
-            return source, start
+            fitted, high = (source, start), start - 1
+        else:
+            low = start + 1
+    if fitted is not None:
+        return fitted
     dropped = len(turns) - 1
     words = turns[-1].split(" ")
     # Keep the longest tail of the message that fits: binary search on how many words to cut

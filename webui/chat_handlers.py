@@ -19,6 +19,7 @@ from pathlib import Path
 import gradio as gr
 
 from chat.engine import (
+    MAX_HISTORY_TURNS,
     GENERATION_PRESETS,
     Budget,
     ChatEngine,
@@ -101,6 +102,9 @@ def history_to_turns(history) -> list[str]:
     before the first token, failed) is dropped, app notices are dropped with the message they
     answer, consecutive bot messages are joined, and system messages and files are ignored.
     """
+    if isinstance(history, (list, tuple)) and len(history) > 2 * MAX_HISTORY_TURNS:  # bounded work up front
+        raise InputError(f"The conversation is too long ({len(history)} messages; the limit is "
+                         f"{MAX_HISTORY_TURNS} turns). Start a new chat.")
     turns: list[str] = []
     pending: str | None = None  # a user message waiting for its reply
     last_role = None

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from chat.engine import (
+    MAX_HISTORY_TURNS,
     BASE_PREFIX,
     DEMO_DIR,
     GENERATION_PRESETS,
@@ -41,7 +42,7 @@ from chat.engine import (
     InputError,
     load_checkpoint,
 )
-from chat.prompt import KINDS, format_context
+from chat.prompt import KINDS, format_context, join_source
 
 HELLO = "hi! tell me about yourself."
 DOGS = Conversation("persona", "i love dogs.")
@@ -334,6 +335,38 @@ def test_long_conversation_keeps_context_and_newest_message(engine, demo):
     assert budget.total_tokens == len(ids) <= budget.max_tokens == demo.max_source_length
     assert budget.context_tokens + budget.history_tokens == budget.total_tokens
     assert 0 < budget.context_tokens < budget.total_tokens
+
+
+def test_long_history_costs_a_bounded_number_of_token_counts(engine, demo, monkeypatch):
+    """A client-sized history (the cap) is fitted with a handful of tokenizations of the newest
+    turns, not one per turn (which made 4,000 turns take a minute)."""
+    turns = [f"turn {i}: i went to the market and bought some apples and pears" for i in range(MAX_HISTORY_TURNS - 1)]
+    counted = []
+    real_count = type(demo).count
+    monkeypatch.setattr(type(demo), "count", lambda self, text: counted.append(len(text)) or real_count(self, text))
+    encoded, budget = engine.build_input(replace(DOGS, turns=turns))
+    assert len(counted) <= 12  # ~log2(128) probes + the context
+    assert max(counted) < 128 * 80  # only the newest turns are ever tokenized
+    _, body = decoded_body(demo, encoded)
+    assert body.endswith(turns[-1]) and budget.dropped_turns > len(turns) - 20
+    # The same answer as trying every start from the oldest turn.
+    naive = next(start for start in range(len(turns))
+                 if demo.count(demo.prefix + join_source(format_context("persona", "i love dogs."), turns[start:]))
+                 <= demo.max_source_length)
+    assert budget.dropped_turns == naive
+
+
+def test_history_over_the_cap_is_refused_with_a_clear_message(engine, generate_calls):
+    turns = ["hi", "hello"] * (MAX_HISTORY_TURNS // 2) + ["one more"]
+    with pytest.raises(InputError, match=f"too long .*{len(turns) + 1} turns; the limit is {MAX_HISTORY_TURNS}"):
+        engine.reply(replace(DOGS, turns=turns), HELLO)
+    assert generate_calls == []
+
+
+def test_lone_surrogates_are_dropped_not_an_internal_error(engine):
+    conv = Conversation("persona", "i love dogs \ud800.", ["hi \udfff", "hello"])
+    reply, budget = engine.reply(conv, "how are you \ud83d today?")
+    assert isinstance(reply, str) and budget.total_tokens > 0
 
 
 @pytest.mark.parametrize("conv", SAMPLE_CONVS, ids=conv_id)

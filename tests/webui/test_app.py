@@ -26,6 +26,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from chat.engine import (
+    MAX_HISTORY_TURNS,
     DEMO_DIR,
     GENERATION_PRESETS,
     Budget,
@@ -130,6 +131,23 @@ def test_history_to_turns_plain_and_gradio_normalized():
                    "content": [{"type": "text", "text": m["content"]}]} for m in plain]
     assert chat_handlers.history_to_turns(normalized) == chat_handlers.history_to_turns(plain)
     assert chat_handlers.history_to_turns([]) == [] and chat_handlers.history_to_turns(None) == []
+
+
+def test_oversized_history_is_refused_before_any_work(engine):
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * (MAX_HISTORY_TURNS + 1)
+    with pytest.raises(InputError, match="too long"):
+        chat_handlers.history_to_turns(history)
+    # The browser chat shows it as a notice; nothing reaches the model.
+    replies = list(chat_handlers.chat_fn(engine)(HELLO, history, "none", ""))
+    assert chat_handlers.is_notice(replies[-1][0]) and "too long" in replies[-1][0]["metadata"]["title"]
+    with pytest.raises(gr.Error, match="too long"):
+        list(chat_handlers.api_chat_fn(engine)(HELLO, "none", "", "fast", ["hi", "hello"] * MAX_HISTORY_TURNS))
+
+
+def test_lone_surrogates_in_api_input_get_a_reply(engine):
+    chat = chat_handlers.api_chat_fn(engine)
+    replies = list(chat("hi \ud800 there", "persona", "i like \udc00 tea", "fast", ["a \ud83d", "b"]))
+    assert replies and isinstance(replies[-1], str)
 
 
 def test_history_to_turns_keeps_the_dialogue_alternating():
