@@ -22,7 +22,7 @@ from transformers import AutoConfig, GenerationConfig, TextIteratorStreamer
 
 from chat.batching import Batcher
 from chat.layout import DEFAULT_MODEL, DEMO_DIR, FINAL, TRAINING_ARGS_FILE, is_hub_id, list_finals
-from chat.model import ModelLoadError, load_model, load_tokenizer, resolve
+from chat.model import ModelLoadError, hub_options, load_error, load_model, load_tokenizer, resolve
 from chat.optimize import CPU_DEFAULT, OPTIMIZE_MODES, optimize_for_cpu
 from chat.prompt import CONTROL_RE, KINDS, fit_source, format_context, neutralize
 
@@ -183,11 +183,11 @@ def load_checkpoint(spec: str, optimize: str | None = None) -> LoadedModel:
         if missing and not (local / "model.safetensors.index.json").is_file():
             raise CheckpointError(f"{local}: missing {', '.join(missing)}")
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **hub_options(source))
     except (OSError, ValueError) as err:
         if local:
             raise CheckpointError(f"{spec}: unreadable config.json ({str(err).splitlines()[0] if str(err) else err})") from None
-        raise ModelLoadError(f"cannot load {spec!r}: {str(err).splitlines()[0] if str(err) else err}") from None
+        raise load_error(spec, err) from None
     if config.model_type != "blenderbot" or not config.is_encoder_decoder:
         raise CheckpointError(f"{spec}: a {config.model_type!r} model, not a seq2seq BlenderBot")
     try:

@@ -8,14 +8,18 @@ data) and then loaded the same way.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
+import httpx
 import torch
+from huggingface_hub import constants as hub_constants
 from transformers import (
     AutoTokenizer,
     BlenderbotConfig,
@@ -119,13 +123,40 @@ def build_preset(name: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
-def _explain(name: str, err: Exception) -> ModelLoadError:
+def hub_reachable() -> bool:
+    """Can the Hugging Face Hub be reached? One quick request, no retries, remembered for a
+    minute. When it cannot, loading a Hub id would make huggingface_hub retry with back-off
+    (~30 s and ~20 warnings) before failing; ``hub_options`` reads the local cache at once instead."""
+    return not hub_constants.HF_HUB_OFFLINE and _probe_hub(int(time.monotonic() // 60))
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_hub(minute: int) -> bool:
+    try:
+        httpx.head(hub_constants.ENDPOINT, timeout=3.0)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def hub_options(name_or_path: str) -> dict:
+    """``from_pretrained`` options for ``name_or_path``: a Hub id while the Hub is unreachable is
+    read from the local cache only (found there, or a clear error at once)."""
+    if Path(name_or_path).is_dir() or hub_reachable():
+        return {}
+    return {"local_files_only": True}
+
+
+def load_error(name: str, err: Exception) -> ModelLoadError:
+    """Why ``name`` could not be loaded, and what to try."""
     if Path(name).exists():
         return ModelLoadError(f"cannot load the model in {name}: {err}")
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    if hub_constants.HF_HUB_OFFLINE:
+        hub = "is switched off (HF_HUB_OFFLINE=1)"
+    else:
+        hub = "did not provide it" if hub_reachable() else "cannot be reached (offline?)"
     return ModelLoadError(
-        f"cannot load model {name!r}: it is not a local directory, and the Hub "
-        f"{'is switched off (HF_HUB_OFFLINE=1)' if offline else 'did not provide it'}. "
+        f"cannot load model {name!r}: it is not a local directory, and the Hub {hub}. "
         "Check the spelling, run once with network access so it is cached, or use "
         "--model_name_or_path tiny (or random-400M) to work offline. "
         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
@@ -135,9 +166,9 @@ def _explain(name: str, err: Exception) -> ModelLoadError:
 def load_tokenizer(name_or_path: str):
     path = resolve(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **hub_options(path))
     except (OSError, ValueError) as err:
-        raise _explain(path, err) from None
+        raise load_error(path, err) from None
 
 
 # Attention kernels: "sdpa" lets PyTorch pick per call; "sdpa-<kernel>" allows only that fused
@@ -164,7 +195,8 @@ def configure_attention(choice: str) -> str:
 def load_model(name_or_path: str, **kwargs) -> BlenderbotForConditionalGeneration:
     path = resolve(name_or_path)
     try:
-        model = BlenderbotForConditionalGeneration.from_pretrained(path, use_safetensors=True, **kwargs)
+        model = BlenderbotForConditionalGeneration.from_pretrained(path, use_safetensors=True,
+                                                                   **hub_options(path), **kwargs)
     except (OSError, ValueError) as err:
-        raise _explain(path, err) from None
+        raise load_error(path, err) from None
     return model

@@ -499,13 +499,13 @@ def test_page_and_config_show_the_offline_notice(server):
 # --------------------------------------------------------------------------- python app.py
 
 
-def test_python_app_py_serves_the_demo_model_offline(tmp_path):
-    """As users start it: CHAT_MODEL unset, offline, empty HF cache -> the demo model with a notice,
-    on GRADIO_SERVER_NAME/PORT, within 60 s."""
+def start_app_py(tmp_path, **env_changes) -> tuple[float, list[str]]:
+    """``python app.py`` as the README says (CHAT_MODEL unset, an empty HF cache): seconds until
+    it serves the demo model with its notice and answers /chat, and what it printed."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("CHAT_MODEL", "PERSONA_CHAT_RUNS")}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), GRADIO_SERVER_NAME="127.0.0.1",
-               GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in os.environ.items() if k not in ("CHAT_MODEL", "PERSONA_CHAT_RUNS", "HF_HUB_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
+               GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1", **env_changes)
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -526,7 +526,21 @@ def test_python_app_py_serves_the_demo_model_offline(tmp_path):
         assert any(isinstance(v, str) and v.startswith("⚠️ **Offline: using the demo model")
                    and "instead of facebook/blenderbot-400M-distill" in v for v in values)
         assert Client(url, verbose=False).predict("hi!", "none", "", api_name="/chat").strip()
-        print(f"python app.py ready in {ready:.1f} s")
+        return ready, list(lines)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_python_app_py_without_the_hub_serves_the_demo_model_at_once(tmp_path):
+    """With no Hub (an endpoint that refuses connections) and HF_HUB_OFFLINE unset, as a newcomer
+    starts it: no retry back-off (it cost ~30 s and ~20 warnings), one line saying why the demo
+    model serves, and about as fast as with HF_HUB_OFFLINE=1."""
+    offline, _ = start_app_py(tmp_path / "a", HF_HUB_OFFLINE="1")
+    no_hub, lines = start_app_py(tmp_path / "b", HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    text = "".join(lines)
+    assert "retry" not in text.lower() and "Retrying" not in text, text
+    assert len([line for line in lines if "falling back to the demo model" in line]) == 1, text
+    assert "cannot be reached" in text
+    print(f"python app.py ready in {offline:.1f} s offline, {no_hub:.1f} s without a Hub")
+    assert no_hub < offline + 10, (offline, no_hub)  # the back-off alone was 30 s
