@@ -27,7 +27,7 @@ from chat.engine import (
     GenerationSettings,
     InputError,
 )
-from chat.layout import DEFAULT_MODEL, DEMO_DIR, RESULTS_FILE, is_hub_id, list_finals
+from chat.layout import DEFAULT_MODEL, DEMO_DIR, RESULTS_FILE, ROOT, is_hub_id, list_finals
 from chat.prompt import EMOTIONS, KINDS
 from finetune.runner import runs_root
 
@@ -374,15 +374,20 @@ def refresh_models(engine: ChatEngine, root: Path | str | None = None):
     return gr.update(choices=choices, value=current_choice(engine, choices))
 
 
-def spec_to_load(choice: str | None, hub_id: str | None) -> str:
-    """The model to load: the Hub id typed by the user if any, else the picker's choice."""
+def spec_to_load(choice: str | None, hub_id: str | None, choices: list[tuple[str, str]]) -> str:
+    """The model to load: the Hub id typed by the user if any, else the picker's choice, which
+    must be one of ``choices`` (a request can send any string; local folders come only from the list)."""
     hub_id = (hub_id or "").strip()
     if hub_id:
         if not is_hub_id(hub_id, owner=True):
             raise InputError(f"{hub_id!r} is not a Hub model id (expected owner/name).")
+        if Path(hub_id).exists() or (ROOT / hub_id).exists():  # "chat/demo_model" would load that folder
+            raise InputError(f"{hub_id!r} is a folder on this server, not a Hub id; pick models here from the list.")
         return hub_id
     if not choice:
         raise InputError("Pick a model or type a Hub id first.")
+    if choice not in {spec for _, spec in choices}:
+        raise InputError("That model is not in the list; press Refresh and pick one.")
     return choice
 
 
@@ -390,7 +395,7 @@ def load_model(engine: ChatEngine, choice: str | None, hub_id: str | None, root:
     """Swap the served model; yields (status, picker update). On failure the current model
     keeps serving and the user gets a warning."""
     try:
-        spec = spec_to_load(choice, hub_id)
+        spec = spec_to_load(choice, hub_id, picker_choices(root, current=engine.current.name))
     except InputError as err:
         gr.Warning(str(err))
         yield serving_markdown(engine), gr.skip()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import os
 import socket
 import subprocess
@@ -259,13 +260,20 @@ def test_model_choices_default_base_and_runs_root_from_env(tmp_path, monkeypatch
 
 
 def test_spec_to_load():
-    assert chat_handlers.spec_to_load(str(DEMO_DIR), "  ") == str(DEMO_DIR)
-    assert chat_handlers.spec_to_load(str(DEMO_DIR), " user/my-model ") == "user/my-model"
+    choices = chat_handlers.picker_choices(base="b/base")
+    assert chat_handlers.spec_to_load(str(DEMO_DIR), "  ", choices) == str(DEMO_DIR)
+    assert chat_handlers.spec_to_load(str(DEMO_DIR), " user/my-model ", choices) == "user/my-model"
     for hub_id in ["/etc", "../x/y", "a/b/c", "user/../x", "no-slash"]:
-        with pytest.raises(InputError):
-            chat_handlers.spec_to_load(None, hub_id)
+        with pytest.raises(InputError, match="not a Hub model id"):
+            chat_handlers.spec_to_load(None, hub_id, choices)
     with pytest.raises(InputError):
-        chat_handlers.spec_to_load(None, "")
+        chat_handlers.spec_to_load(None, "", choices)
+    # A relative folder shaped like a Hub id, and a picker value the list never offered.
+    with pytest.raises(InputError, match="is a folder on this server"):
+        chat_handlers.spec_to_load(None, "chat/demo_model", choices)
+    for forged in ["/etc", str(ROOT / "chat"), "tiny"]:
+        with pytest.raises(InputError, match="not in the list"):
+            chat_handlers.spec_to_load(forged, "", choices)
 
 
 def test_status_markdown(engine, fresh_engine):
@@ -307,18 +315,22 @@ def test_chat_fn_refuses_bad_input_without_model_call(fresh_engine, monkeypatch)
 
 def test_load_model_keeps_serving_on_failure(fresh_engine, tiny_path, tmp_path):
     before = fresh_engine.current
-    broken = tmp_path / "broken" / "final"
+    runs = tmp_path / "runs"
+    broken = runs / "broken" / "final"  # listed (config and weights present), but the weights are garbage
     broken.mkdir(parents=True)
     (broken / "config.json").write_text("{}")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    good = runs / "good" / "final"
+    shutil.copytree(tiny_path, good)
     for choice, hub in [(str(broken), ""), (None, "not a hub id"), (str(tmp_path / "nothing"), "")]:
-        with pytest.warns(UserWarning, match="Could not load|not a Hub model id|Pick a model"):
-            steps = list(chat_handlers.load_model(fresh_engine, choice, hub))
+        with pytest.warns(UserWarning, match="Could not load|not a Hub model id|Pick a model|not in the list"):
+            steps = list(chat_handlers.load_model(fresh_engine, choice, hub, runs))
         assert steps[-1][0] == chat_handlers.serving_markdown(fresh_engine)
         assert fresh_engine.current is before
-    steps = list(chat_handlers.load_model(fresh_engine, str(tiny_path), ""))
+    steps = list(chat_handlers.load_model(fresh_engine, str(good), "", runs))
     assert steps[0][0].startswith("⏳ Loading")
-    assert fresh_engine.current is not before and fresh_engine.status == f"serving {tiny_path}"
-    assert steps[-1][0].startswith(f"✅ **Serving {tiny_path}**")
+    assert fresh_engine.current is not before and fresh_engine.status == f"serving {good}"
+    assert steps[-1][0].startswith(f"✅ **Serving {good}**")
 
 
 # --------------------------------------------------------------------------- app.py and README
