@@ -12,63 +12,52 @@ Results go to stdout as a markdown table and, with ``--out``, to a JSON file.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
-import psutil
 import torch
 
+from bench.common import (
+    command_line,
+    device_name,
+    md_table,
+    percentile,
+    quiet_transformers,
+    sample_rows,
+    versions,
+    write_json,
+)
 from chat.engine import GENERATION_PRESETS, ChatEngine, Conversation, load_checkpoint
-from chat.prompt import split_source
 from chat.model import ModelLoadError
+from chat.optimize import memory_mib
+from chat.prompt import KINDS, format_context, split_source
 
-SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample" / "validation.jsonl"
-_KIND_OF = {"your persona: ": "persona", "context: ": "emotion", "domain: ": "task", "topic: ": "topic"}
+# How each kind's context starts and ends in a source, read off the format itself so it cannot drift.
+_PARTS = {kind: format_context(kind, "CONTEXT").partition("CONTEXT")[::2] for kind in KINDS if kind != "none"}
 
 
 def prompt_set(n: int) -> list[tuple[Conversation, str]]:
     """The first ``n`` multi-turn rows of the shipped validation split, as (conversation, message)."""
-    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
-    rows = [r for r in rows if r["texts"].count("<s>") >= 3][:n]
+    rows = [r for r in sample_rows("validation") if r["texts"].count("<s>") >= 3][:n]
     out = []
     for row in rows:
         context_text, turns = split_source(row["texts"])
         kind, context = "none", ""
-        for head, name in _KIND_OF.items():
+        for name, (head, tail) in _PARTS.items():
             if context_text.startswith(head):
-                kind, context = name, context_text[len(head):].removesuffix(" </s>")
+                kind, context = name, context_text[len(head):].removesuffix(tail)
         out.append((Conversation(kind, context, turns[:-1]), turns[-1]))
     return out
 
 
-def cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
 def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats: int, concurrency: int) -> dict:
-    rss_before = psutil.Process().memory_info().rss
+    rss_before = memory_mib()["rss"]
     start = time.perf_counter()
     engine = ChatEngine(load_checkpoint(spec, optimize=optimize), f"bench {spec}")
     load_s = time.perf_counter() - start
     engine.warm_up()  # compiles the GPU CUDA-graph decoding once, as ChatEngine.start does
-    result = dict(optimize=optimize, load_seconds=load_s, device=str(engine.current.model.device))
+    result = {"optimize": optimize, "load_seconds": load_s, "device": str(engine.current.model.device)}
     for name, preset in GENERATION_PRESETS.items():
         settings = replace(preset, min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
         engine.reply(*prompts[0], settings)  # warm-up
@@ -85,8 +74,8 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
                 else:
                     engine.reply(conv, message, settings)
                 latencies.append(time.perf_counter() - t0)
-        result[name] = dict(p50=statistics.median(latencies), p95=pct(latencies, 0.95),
-                            first_text_p50=statistics.median(first) if first else None)
+        result[name] = {"p50": percentile(latencies, 50), "p95": percentile(latencies, 95),
+                        "first_text_p50": percentile(first, 50) if first else None}
     # Throughput: the same chats one by one, then all at once (batched by the engine).
     settings = replace(GENERATION_PRESETS["fast"], min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
     chats = (prompts * concurrency)[:concurrency]
@@ -98,26 +87,27 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(lambda c: engine.reply(c[0], c[1], settings), chats))
     together = time.perf_counter() - t0
-    result["throughput"] = dict(concurrency=concurrency, sequential_replies_per_s=concurrency / sequential,
-                                concurrent_replies_per_s=concurrency / together)
-    result["rss_gib"] = psutil.Process().memory_info().rss / 2**30
-    result["rss_model_gib"] = (psutil.Process().memory_info().rss - rss_before) / 2**30
-    del engine
+    result["throughput"] = {"concurrency": concurrency, "sequential_replies_per_s": concurrency / sequential,
+                            "concurrent_replies_per_s": concurrency / together}
+    rss = memory_mib()["rss"]
+    result["rss_gib"] = rss / 1024
+    result["rss_model_gib"] = (rss - rss_before) / 1024
     return result
 
 
 def table(results: list[dict]) -> str:
     base = results[0]
-    lines = ["| variant | fast p50 | fast p95 | first text p50 | faithful p50 | faithful p95 | "
-             f"{results[0]['throughput']['concurrency']} chats: one by one → together (replies/s) | RSS GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    header = ["variant", "fast p50", "fast p95", "first text p50", "faithful p50", "faithful p95",
+              f"{base['throughput']['concurrency']} chats: one by one → together (replies/s)", "RSS GiB"]
+    rows = []
     for r in results:
         f, b, t = r["fast"], r["faithful"], r["throughput"]
         speed = base["fast"]["p50"] / f["p50"]
-        lines.append(f"| {r['optimize']} ({r['device']}) | {f['p50']:.3f} s ({speed:.2f}x) | {f['p95']:.3f} s | "
-                     f"{f['first_text_p50']:.3f} s | {b['p50']:.3f} s | {b['p95']:.3f} s | "
-                     f"{t['sequential_replies_per_s']:.2f} → {t['concurrent_replies_per_s']:.2f} | {r['rss_gib']:.2f} |")
-    return "\n".join(lines)
+        rows.append([f"{r['optimize']} ({r['device']})", f"{f['p50']:.3f} s ({speed:.2f}x)", f"{f['p95']:.3f} s",
+                     f"{f['first_text_p50']:.3f} s", f"{b['p50']:.3f} s", f"{b['p95']:.3f} s",
+                     f"{t['sequential_replies_per_s']:.2f} → {t['concurrent_replies_per_s']:.2f}",
+                     f"{r['rss_gib']:.2f}"])
+    return "\n".join(md_table(header, rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    quiet_transformers()
 
     spec = args.model
     try:
@@ -141,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompt_set(args.prompts)
     results = [bench_variant(spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency)
                for v in args.optimize.split(",")]
-    hardware = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{cpu_name()}, {torch.get_num_threads()} threads"
+    hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
+    env = versions()
     header = (f"{spec} ({weights}), {args.reply_tokens}-token replies, {len(prompts)} prompts x {args.repeats}, "
-              f"{hardware}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+              f"{hardware}, torch {env['torch']}, {env['date']}")
     print(header)
     print(table(results))
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(header=header, results=results), indent=2))
+        write_json(args.out, {"header": header, "command": command_line("bench.chat", argv), "environment": env,
+                              "results": results})
     return 0
 
 

@@ -3,16 +3,17 @@
     PERSONA_CHAT_CACHE=/tmp/pcache2 python -m bench.cpu_variants            # ~3-5 min on 2 cores
     python -m bench.cpu_variants --variants none,int8 --prompts 4 --out bench.json
 
-For each variant (a mode of ``optimize_for_cpu``, optionally ``@THREADS``, e.g. ``int8@1``) and a
-fixed set of 64-token prompts ("chatbot: " + the most recent text of sample validation
-dialogues), it measures
+Every model is loaded as the chat engine loads it (``chat.engine.load_checkpoint``: its checks,
+its generation config, ``optimize_for_cpu`` in the variant's mode), and the decoding settings
+are the engine's presets. For each variant (a mode of ``optimize_for_cpu``, optionally
+``@THREADS``, e.g. ``int8@1``) and a fixed set of 64-token prompts (the engine's ``BASE_PREFIX``
++ the most recent text of sample validation dialogues), it measures
 
 * greedy, streamed through ``TextIteratorStreamer`` in a thread (how the ``fast`` preset serves):
   total latency, time to the first generated token reaching the streamer, and (in ``--out`` only)
   time to the first non-empty text chunk, which on random weights is meaningless: most of the
   model's 8008 ids are outside the preset tokenizer's 1934 and decode to nothing;
-* beam-10 with the ``faithful`` settings (no_repeat_ngram_size 3, encoder_no_repeat_ngram_size 3,
-  repetition_penalty 1.2, length_penalty 1.0);
+* beam-10 with the ``faithful`` preset's settings;
 * agreement with fp32: identical greedy / beam tokens (position by position), and on a forward
   pass teacher-forced with fp32's greedy reply, top-1 agreement and the relative L2 error of the
   logits; the same on the bundled *trained* demo model (natural stopping; skip with ``--no_demo_check``);
@@ -30,77 +31,63 @@ alike; the CPU time other processes used during each variant's samples is report
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
+from bench.common import (
+    command_line,
+    cpu_name,
+    md_table,
+    percentile,
+    quiet_transformers,
+    sample_rows,
+    versions,
+    write_json,
+)
+from chat.engine import BASE_PREFIX, GENERATION_PRESETS, GenerationSettings, load_checkpoint
+from chat.layout import DEMO_DIR, ROOT
+from chat.model import load_model, load_tokenizer
 from chat.optimize import OPTIMIZE_MODES, memory_mib, optimize_for_cpu
 
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "data" / "sample" / "validation.jsonl"
-DEMO_DIR = ROOT / "chat" / "demo_model"
-PREFIX = "chatbot: "
-FAITHFUL = dict(num_beams=10, no_repeat_ngram_size=3, encoder_no_repeat_ngram_size=3, repetition_penalty=1.2,
-                length_penalty=1.0, do_sample=False)
-GREEDY = dict(num_beams=1, do_sample=False)
+# The study compares the model's modes, not the engine's extras: greedy is the ``fast`` preset's
+# decoding without its n-gram blocking and repetition penalty (the engine's own cost, timed with
+# them in docs/chat-benchmarks.md); beam-10 is the ``faithful`` preset unchanged.
+GREEDY = replace(GENERATION_PRESETS["fast"], no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
+                 repetition_penalty=1.0)
+FAITHFUL = GENERATION_PRESETS["faithful"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
 
 
-def quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown CPU"
+def decoding(settings: GenerationSettings, reply_tokens: int, forced: bool = True) -> dict:
+    """generate() kwargs of ``settings`` for replies of at most ``reply_tokens`` tokens, exactly as
+    many when ``forced`` (random weights never emit EOS; the demo check stops naturally)."""
+    settings = replace(settings, min_new_tokens=reply_tokens if forced else 0, max_new_tokens=reply_tokens)
+    return settings.generate_kwargs()
 
 
-def chat_generation_config(model):
-    """Only the token ids of the saved generation config (as the chat engine does): no length clash."""
-    from transformers import GenerationConfig
-
-    saved = model.generation_config
-    return GenerationConfig(decoder_start_token_id=saved.decoder_start_token_id, bos_token_id=saved.bos_token_id,
-                            eos_token_id=saved.eos_token_id, pad_token_id=saved.pad_token_id,
-                            forced_eos_token_id=saved.forced_eos_token_id)
-
-
-def load(model_name: str, mode: str | None = None, num_threads: int | None = None):
-    from chat.model import load_model
-
-    model = load_model(model_name).eval()
-    model.generation_config = chat_generation_config(model)
-    if mode is not None:
-        model = optimize_for_cpu(model, mode, num_threads=num_threads)
-    return model
+def load(spec: str, mode: str):
+    """``spec`` as the chat engine serves it in ``mode``: model (on the CPU) and tokenizer."""
+    loaded = load_checkpoint(spec, optimize=mode)
+    if loaded.model.device.type != "cpu":  # the engine serves on a GPU when it sees one
+        raise SystemExit("bench.cpu_variants is a CPU study: run it with CUDA_VISIBLE_DEVICES=")
+    return loaded.model, loaded.tokenizer
 
 
 def build_prompts(tokenizer, n: int, length: int) -> list[torch.Tensor]:
-    """``n`` prompts of exactly ``length`` tokens: PREFIX + the last tokens of a dialogue + </s>."""
-    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
-    prefix = tokenizer(PREFIX, add_special_tokens=False).input_ids
+    """``n`` prompts of exactly ``length`` tokens: BASE_PREFIX + the last tokens of a dialogue + </s>."""
+    rows = sample_rows("validation")
+    prefix = tokenizer(BASE_PREFIX, add_special_tokens=False).input_ids
     body_len = length - len(prefix) - 1
     if body_len < 1:
         raise ValueError(f"prompt length {length} leaves no room after the prefix")
@@ -155,6 +142,8 @@ def timed_stream(model, tokenizer, input_ids, reply_tokens: int) -> dict:
     """Greedy through TextIteratorStreamer in a thread, as a streaming server does."""
     from transformers import TextIteratorStreamer
 
+    kwargs = decoding(GREEDY, reply_tokens)
+
     class Streamer(TextIteratorStreamer):
         first_token_at = None
 
@@ -170,9 +159,8 @@ def timed_stream(model, tokenizer, input_ids, reply_tokens: int) -> dict:
         try:
             with torch.inference_mode():
                 result["out"] = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                               min_new_tokens=reply_tokens, max_new_tokens=reply_tokens,
-                                               streamer=streamer, **GREEDY)
-        except BaseException as err:  # surface it in the main thread
+                                               streamer=streamer, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread below
             result["err"] = err
             streamer.end()
 
@@ -188,9 +176,9 @@ def timed_stream(model, tokenizer, input_ids, reply_tokens: int) -> dict:
     total = time.perf_counter() - t0
     if "err" in result:
         raise result["err"]
-    return dict(latency=total, first_token=(streamer.first_token_at or t0 + total) - t0,
-                first_text=(first_text or t0 + total) - t0, other=meter.stop(),
-                tokens=result["out"][0, 1:].tolist())
+    return {"latency": total, "first_token": (streamer.first_token_at or t0 + total) - t0,
+            "first_text": (first_text or t0 + total) - t0, "other": meter.stop(),
+            "tokens": result["out"][0, 1:].tolist()}
 
 
 def timed_beam(model, input_ids, reply_tokens: int) -> dict:
@@ -198,25 +186,14 @@ def timed_beam(model, input_ids, reply_tokens: int) -> dict:
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             min_new_tokens=reply_tokens, max_new_tokens=reply_tokens, **FAITHFUL)
-    return dict(latency=time.perf_counter() - t0, other=meter.stop(), tokens=out[0, 1:].tolist())
+                             **decoding(FAITHFUL, reply_tokens))
+    return {"latency": time.perf_counter() - t0, "other": meter.stop(), "tokens": out[0, 1:].tolist()}
 
 
 def teacher_forced_logits(model, input_ids, decoder_ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                      decoder_input_ids=decoder_ids).logits.float()
-
-
-def pct(values: list[float], q: float) -> float:
-    """Percentile with linear interpolation (q in 0..100)."""
-    s = sorted(values)
-    if len(s) == 1:
-        return s[0]
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def token_agreement(a: list[int], b: list[int]) -> float:
@@ -229,12 +206,12 @@ def token_agreement(a: list[int], b: list[int]) -> float:
 
 
 def rss_probe(model_name: str, mode: str, prompt_tokens: int, reply_tokens: int) -> dict:
-    from chat.model import load_tokenizer
-
+    """Memory and time of loading and optimizing, taken apart: the two steps ``load_checkpoint``
+    runs on a CPU (``load_model``, then ``optimize_for_cpu``), each timed on its own."""
     quiet_transformers()
     base = memory_mib()["rss"]
     t0 = time.perf_counter()
-    model = load(model_name)
+    model = load_model(model_name)
     load_s = time.perf_counter() - t0
     after_load = memory_mib()["rss"]
     t0 = time.perf_counter()
@@ -243,19 +220,19 @@ def rss_probe(model_name: str, mode: str, prompt_tokens: int, reply_tokens: int)
     after_opt = memory_mib()["rss"]
     ids = build_prompts(load_tokenizer(model_name), 1, prompt_tokens)[0]
     with torch.inference_mode():
-        for kw in (GREEDY, FAITHFUL):
-            model.generate(input_ids=ids, min_new_tokens=reply_tokens, max_new_tokens=reply_tokens, **kw)
+        for settings in (GREEDY, FAITHFUL):
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **decoding(settings, reply_tokens))
     mem = memory_mib()
-    return dict(mode=mode, rss_imports_mib=base, rss_after_load_mib=after_load, rss_after_optimize_mib=after_opt,
-                rss_serving_mib=mem["rss"], anon_serving_mib=mem["anon"], file_serving_mib=mem["file"],
-                peak_mib=mem["peak"], load_s=load_s, optimize_s=optimize_s)
+    return {"mode": mode, "rss_imports_mib": base, "rss_after_load_mib": after_load,
+            "rss_after_optimize_mib": after_opt, "rss_serving_mib": mem["rss"], "anon_serving_mib": mem["anon"],
+            "file_serving_mib": mem["file"], "peak_mib": mem["peak"], "load_s": load_s, "optimize_s": optimize_s}
 
 
 def run_probe(model_name: str, mode: str, args) -> dict:
     cmd = [sys.executable, "-m", "bench.cpu_variants", "--rss_probe", mode, "--model", model_name,
            "--prompt_tokens", str(args.prompt_tokens), "--reply_tokens", str(args.reply_tokens)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise RuntimeError(f"memory probe for {mode} failed:\n{proc.stderr[-2000:]}")
@@ -267,18 +244,15 @@ def run_probe(model_name: str, mode: str, args) -> dict:
 
 
 def demo_check(modes: list[str], n_prompts: int, reply_tokens: int) -> dict:
-    from chat.model import load_tokenizer
-
-    tok = load_tokenizer(str(DEMO_DIR))
-    prompts = build_prompts(tok, n_prompts, 64)
     outs: dict[str, dict[str, list[list[int]]]] = {}
     for mode in ["none"] + [m for m in modes if m != "none"]:
-        model = load(str(DEMO_DIR), mode)
+        model, tokenizer = load(str(DEMO_DIR), mode)
+        prompts = build_prompts(tokenizer, n_prompts, 64)
         res = outs[mode] = {"greedy": [], "beam": []}
         with torch.inference_mode():
             for ids in prompts:
-                for key, kw in (("greedy", GREEDY), ("beam", FAITHFUL)):
-                    out = model.generate(input_ids=ids, max_new_tokens=reply_tokens, **kw)
+                for key, settings in (("greedy", GREEDY), ("beam", FAITHFUL)):
+                    out = model.generate(input_ids=ids, **decoding(settings, reply_tokens, forced=False))
                     res[key].append(out[0, 1:].tolist())
     report = {}
     for mode, res in outs.items():
@@ -291,6 +265,7 @@ def demo_check(modes: list[str], n_prompts: int, reply_tokens: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# The timed runs and what they add up to
 
 
 def parse_variant(spec: str, default_threads: int) -> tuple[str, str, int]:
@@ -301,8 +276,72 @@ def parse_variant(spec: str, default_threads: int) -> tuple[str, str, int]:
     return (f"{mode}@{n}", mode, n)
 
 
+def time_variants(variants, models: dict, tokenizer, prompts, repeats: int, reply_tokens: int) -> dict:
+    """Every variant on every prompt, greedy then beam; interleaved prompt by prompt in rotating
+    order, so background load hits the variants alike."""
+    for _, mode, threads in variants:  # warm-up: oneDNN/fbgemm primitives for every shape
+        torch.set_num_threads(threads)
+        timed_stream(models[mode], tokenizer, prompts[0], reply_tokens)
+        timed_beam(models[mode], prompts[0], reply_tokens)
+    samples = {name: {"greedy": [], "beam": []} for name, _, _ in variants}
+    for kind in ("greedy", "beam"):
+        for rep in range(repeats):
+            for i, ids in enumerate(prompts):
+                r = (i + rep) % len(variants)
+                for name, mode, threads in variants[r:] + variants[:r]:
+                    torch.set_num_threads(threads)
+                    if kind == "greedy":
+                        s = timed_stream(models[mode], tokenizer, ids, reply_tokens)
+                    else:
+                        s = timed_beam(models[mode], ids, reply_tokens)
+                    s["prompt"] = i
+                    samples[name][kind].append(s)
+    return samples
+
+
+def numerics(models: dict, prompts, ref_greedy: dict) -> dict:
+    """Per mode, on a forward pass teacher-forced with fp32's greedy replies: the logits' relative
+    L2 error against fp32's and how often their top-1 token agrees."""
+    start = models["none"].generation_config.decoder_start_token_id
+    ref_logits, out = {}, {}
+    for mode, model in models.items():
+        rel, top1 = [], []
+        for i, ids in enumerate(prompts):
+            logits = teacher_forced_logits(model, ids, torch.tensor([[start] + ref_greedy[i][:-1]]))
+            ref = ref_logits.setdefault(i, logits) if mode == "none" else ref_logits[i]
+            rel.append(((logits - ref).norm() / ref.norm()).item())
+            top1.append((logits.argmax(-1) == ref.argmax(-1)).float().mean().item())
+        out[mode] = {"logits_rel_err": statistics.mean(rel), "teacher_forced_top1": statistics.mean(top1)}
+    return out
+
+
+def summarize(variants, samples: dict, ref_name: str, n_prompts: int, numbers: dict, memory: dict) -> list[dict]:
+    """One row per variant: latency percentiles, agreement with fp32's tokens, numerics, memory."""
+    ref_greedy = {s["prompt"]: s["tokens"] for s in samples[ref_name]["greedy"][:n_prompts]}
+    ref_beam = {s["prompt"]: s["tokens"] for s in samples[ref_name]["beam"][:n_prompts]}
+    rows = []
+    for name, mode, threads in variants:
+        g, b = samples[name]["greedy"], samples[name]["beam"]
+
+        def p(values: list[dict], key: str, q: float) -> float:
+            return percentile([s[key] for s in values], q)
+
+        rows.append({
+            "variant": name, "mode": mode, "threads": threads,
+            "greedy_p50": p(g, "latency", 50), "greedy_p95": p(g, "latency", 95),
+            "first_token_p50": p(g, "first_token", 50), "first_token_p95": p(g, "first_token", 95),
+            "first_text_p50": p(g, "first_text", 50),
+            "beam_p50": p(b, "latency", 50), "beam_p95": p(b, "latency", 95),
+            "other_load": statistics.mean(s["other"] for s in g + b),
+            "greedy_agree": statistics.mean(token_agreement(s["tokens"], ref_greedy[s["prompt"]]) for s in g),
+            "beam_agree": statistics.mean(token_agreement(s["tokens"], ref_beam[s["prompt"]]) for s in b),
+            **numbers[mode], "memory": memory.get(mode),
+        })
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_variants", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random-400M", help="preset name or model directory")
     parser.add_argument("--variants", default="none,bf16,int8,int8@1",
                         help="comma-separated MODE[@THREADS]; fp32 ('none' at the default thread count) is the "
@@ -324,8 +363,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rss_probe(args.model, args.rss_probe, args.prompt_tokens, args.reply_tokens)))
         return 0
 
-    from chat.model import load_tokenizer
-
     started = time.perf_counter()
     default_threads = torch.get_num_threads()
     variants = [parse_variant(v.strip(), default_threads) for v in args.variants.split(",") if v.strip()]
@@ -334,12 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         variants.insert(0, (ref_name, "none", default_threads))
     variants = list(dict.fromkeys(variants))
     modes = list(dict.fromkeys(m for _, m, _ in variants))
-    header = dict(cpu=cpu_name(), cores=os.cpu_count(), torch=torch.__version__, threads=default_threads,
-                  transformers=__import__("transformers").__version__, python=platform.python_version(),
-                  model=args.model, prompts=args.prompts, repeats=args.repeats, prompt_tokens=args.prompt_tokens,
-                  reply_tokens=args.reply_tokens, date=datetime.date.today().isoformat(),
-                  loadavg_start=os.getloadavg()[0],
-                  command="python -m bench.cpu_variants " + " ".join(argv if argv is not None else sys.argv[1:]))
+    header = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": default_threads, **versions(),
+              "model": args.model, "prompts": args.prompts, "repeats": args.repeats,
+              "prompt_tokens": args.prompt_tokens, "reply_tokens": args.reply_tokens,
+              "loadavg_start": os.getloadavg()[0], "command": command_line("bench.cpu_variants", argv)}
     print(f"# {header['cpu']} ({header['cores']} CPUs), torch {header['torch']}, "
           f"transformers {header['transformers']}, load average {header['loadavg_start']:.2f}", flush=True)
 
@@ -349,74 +384,25 @@ def main(argv: list[str] | None = None) -> int:
             memory[mode] = run_probe(args.model, mode, args)
             print(f"memory {mode}: {memory[mode]}", flush=True)
 
-    tokenizer = load_tokenizer(args.model)
-    prompts = build_prompts(tokenizer, args.prompts, args.prompt_tokens)
-    base = load(args.model)
     models = {}
-    for mode in modes:
+    for mode in ["none"] + [m for m in modes if m != "none"]:  # fp32 first: the reference
         t0 = time.perf_counter()
-        models[mode] = base if mode == "none" else optimize_for_cpu(copy.deepcopy(base), mode)
-        print(f"prepared {mode} in {time.perf_counter() - t0:.1f} s", flush=True)
+        models[mode], tokenizer = load(args.model, mode)
+        print(f"loaded {mode} in {time.perf_counter() - t0:.1f} s", flush=True)
+    prompts = build_prompts(tokenizer, args.prompts, args.prompt_tokens)
 
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
-        for name, mode, threads in variants:  # warm-up: oneDNN/fbgemm primitives for every shape
-            torch.set_num_threads(threads)
-            timed_stream(models[mode], tokenizer, prompts[0], args.reply_tokens)
-            timed_beam(models[mode], prompts[0], args.reply_tokens)
-        print(f"warmed up at {time.perf_counter() - started:.0f} s", flush=True)
-        samples = {name: {"greedy": [], "beam": []} for name, _, _ in variants}
-        for kind in ("greedy", "beam"):
-            for rep in range(args.repeats):
-                for i, ids in enumerate(prompts):
-                    r = (i + rep) % len(variants)
-                    for name, mode, threads in variants[r:] + variants[:r]:
-                        torch.set_num_threads(threads)
-                        if kind == "greedy":
-                            s = timed_stream(models[mode], tokenizer, ids, args.reply_tokens)
-                        else:
-                            s = timed_beam(models[mode], ids, args.reply_tokens)
-                        s["prompt"] = i
-                        samples[name][kind].append(s)
-            print(f"{kind} done at {time.perf_counter() - started:.0f} s", flush=True)
+        samples = time_variants(variants, models, tokenizer, prompts, args.repeats, args.reply_tokens)
     finally:
         for p in busy:
             p.kill()
             p.wait()
     torch.set_num_threads(default_threads)
+    print(f"timed at {time.perf_counter() - started:.0f} s", flush=True)
 
-    # Numerics against fp32: teacher-forced on fp32's greedy replies (rep 0).
-    ref_greedy = {s["prompt"]: s["tokens"] for s in samples[ref_name]["greedy"][: args.prompts]}
-    ref_beam = {s["prompt"]: s["tokens"] for s in samples[ref_name]["beam"][: args.prompts]}
-    ref_logits = {}
-    numerics = {}
-    for mode in modes:
-        rel, top1 = [], []
-        for i, ids in enumerate(prompts):
-            dec = torch.tensor([[base.generation_config.decoder_start_token_id] + ref_greedy[i][:-1]])
-            logits = teacher_forced_logits(models[mode], ids, dec)
-            if mode == "none":
-                ref_logits[i] = logits
-            ref = ref_logits[i]
-            rel.append(((logits - ref).norm() / ref.norm()).item())
-            top1.append((logits.argmax(-1) == ref.argmax(-1)).float().mean().item())
-        numerics[mode] = dict(logits_rel_err=statistics.mean(rel), teacher_forced_top1=statistics.mean(top1))
-
-    results = []
-    for name, mode, threads in variants:
-        g, b = samples[name]["greedy"], samples[name]["beam"]
-        row = dict(variant=name, mode=mode, threads=threads,
-                   greedy_p50=pct([s["latency"] for s in g], 50), greedy_p95=pct([s["latency"] for s in g], 95),
-                   first_token_p50=pct([s["first_token"] for s in g], 50),
-                   first_token_p95=pct([s["first_token"] for s in g], 95),
-                   first_text_p50=pct([s["first_text"] for s in g], 50),
-                   beam_p50=pct([s["latency"] for s in b], 50), beam_p95=pct([s["latency"] for s in b], 95),
-                   other_load=statistics.mean(s["other"] for s in g + b),
-                   greedy_agree=statistics.mean(token_agreement(s["tokens"], ref_greedy[s["prompt"]]) for s in g),
-                   beam_agree=statistics.mean(token_agreement(s["tokens"], ref_beam[s["prompt"]]) for s in b),
-                   **numerics[mode], memory=memory.get(mode))
-        results.append(row)
-
+    ref_greedy = {s["prompt"]: s["tokens"] for s in samples[ref_name]["greedy"][: args.prompts]}  # rep 0
+    results = summarize(variants, samples, ref_name, args.prompts, numerics(models, prompts, ref_greedy), memory)
     demo = None
     if not args.no_demo_check and (DEMO_DIR / "config.json").is_file():
         demo = demo_check(modes, args.prompts, args.reply_tokens)
@@ -426,46 +412,43 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(render(header, results, demo))
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(header=header, results=results, demo_check=demo,
-                                                  samples=samples), indent=1))
+        # indent 1: the per-sample token lists make this file long
+        write_json(args.out, {"header": header, "results": results, "demo_check": demo, "samples": samples}, indent=1)
     return 0
 
 
 def render(header: dict, results: list[dict], demo: dict | None) -> str:
     ref = results[0]
-    lines = [
-        f"{header['cpu']}, {header['cores']} CPUs, torch {header['torch']}, transformers {header['transformers']}, "
-        f"{header['date']}; model {header['model']}; {header['prompts']} prompts x {header['repeats']} of "
-        f"{header['prompt_tokens']} tokens, replies forced to {header['reply_tokens']} tokens; "
-        f"load average {header['loadavg_start']:.2f} -> {header['loadavg_end']:.2f}; wall {header['wall_s']:.0f} s",
-        "",
-        "| variant | greedy p50 / p95 (s) | 1st token p50 / p95 (s) | beam-10 p50 / p95 (s) "
-        "| speed-up greedy / beam | RSS serving (anon) / peak (MiB) | load + optimize (s) "
-        "| greedy / beam tokens = fp32 "
-        "| TF top-1 | logits rel err | other load (cores) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    h = header
+    title = (f"{h['cpu']}, {h['cores']} CPUs, torch {h['torch']}, transformers {h['transformers']}, {h['date']}; "
+             f"model {h['model']}; {h['prompts']} prompts x {h['repeats']} of {h['prompt_tokens']} tokens, replies "
+             f"forced to {h['reply_tokens']} tokens; load average {h['loadavg_start']:.2f} -> {h['loadavg_end']:.2f}; "
+             f"wall {h['wall_s']:.0f} s")
+    lines = [title, ""]
+    rows = []
     for r in results:
         mem = r["memory"]
-        mem_s = f"{mem['rss_serving_mib']:.0f} ({mem['anon_serving_mib']:.0f}) / {mem['peak_mib']:.0f}" if mem else "-"
-        load_s = f"{mem['load_s']:.1f} + {mem['optimize_s']:.1f}" if mem else "-"
-        lines.append(
-            f"| {r['variant']} | {r['greedy_p50']:.2f} / {r['greedy_p95']:.2f} | {r['first_token_p50']:.3f} / "
-            f"{r['first_token_p95']:.3f} | {r['beam_p50']:.2f} / {r['beam_p95']:.2f} | "
-            f"{ref['greedy_p50'] / r['greedy_p50']:.1f}x / {ref['beam_p50'] / r['beam_p50']:.1f}x | {mem_s} | "
-            f"{load_s} | "
-            f"{r['greedy_agree']:.0%} / {r['beam_agree']:.0%} | {r['teacher_forced_top1']:.0%} | "
-            f"{r['logits_rel_err']:.4f} | {r['other_load']:.2f} |"
-        )
+        rows.append([
+            r["variant"], f"{r['greedy_p50']:.2f} / {r['greedy_p95']:.2f}",
+            f"{r['first_token_p50']:.3f} / {r['first_token_p95']:.3f}", f"{r['beam_p50']:.2f} / {r['beam_p95']:.2f}",
+            f"{ref['greedy_p50'] / r['greedy_p50']:.1f}x / {ref['beam_p50'] / r['beam_p50']:.1f}x",
+            f"{mem['rss_serving_mib']:.0f} ({mem['anon_serving_mib']:.0f}) / {mem['peak_mib']:.0f}" if mem else "-",
+            f"{mem['load_s']:.1f} + {mem['optimize_s']:.1f}" if mem else "-",
+            f"{r['greedy_agree']:.0%} / {r['beam_agree']:.0%}", f"{r['teacher_forced_top1']:.0%}",
+            f"{r['logits_rel_err']:.4f}", f"{r['other_load']:.2f}",
+        ])
+    lines += md_table(["variant", "greedy p50 / p95 (s)", "1st token p50 / p95 (s)", "beam-10 p50 / p95 (s)",
+                       "speed-up greedy / beam", "RSS serving (anon) / peak (MiB)", "load + optimize (s)",
+                       "greedy / beam tokens = fp32", "TF top-1", "logits rel err", "other load (cores)"], rows)
     if demo:
-        lines += ["", "Trained demo model (chat/demo_model, d_model 128), natural stopping, "
-                  "agreement with its fp32 replies:", "",
-                  "| mode | greedy identical replies / tokens | beam-10 identical replies / tokens |", "|---|---|---|"]
-        for mode, d in demo.items():
-            lines.append(f"| {mode} | {d['greedy_identical']:.0%} / {d['greedy_tokens']:.0%} | "
-                         f"{d['beam_identical']:.0%} / {d['beam_tokens']:.0%} |")
+        note = f"Trained demo model ({DEMO_DIR.relative_to(ROOT)}, d_model 128), natural stopping, agreement with its"
+        lines += ["", note + " fp32 replies:", ""]
+        lines += md_table(["mode", "greedy identical replies / tokens", "beam-10 identical replies / tokens"],
+                          [[mode, f"{d['greedy_identical']:.0%} / {d['greedy_tokens']:.0%}",
+                            f"{d['beam_identical']:.0%} / {d['beam_tokens']:.0%}"] for mode, d in demo.items()])
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU study: the engine must not place the models on a GPU
     sys.exit(main())

@@ -29,11 +29,9 @@ Results: ``OUT/results.json`` and ``OUT/results.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
 import random
 import shutil
 import socket
@@ -44,9 +42,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench.common import command_line, device_name, md_table, versions, write_json
+from chat.layout import ROOT
+
 log = logging.getLogger("bench.train")
 
-ROOT = Path(__file__).resolve().parent.parent
+PREFIX = "chatbot: "  # the seed's --source_prefix, in both recipes
 FLOPS_PER_SAMPLE = 173e9  # 6 x weights x the tokens each weight sees at 128/64 (see docs/benchmarks.md)
 H200_PEAK_BF16 = 989e12  # dense bf16 tensor-core peak of one H200 (datasheet)
 PARTS = ("train", "realistic", "maxbatch", "scaling")
@@ -95,11 +96,12 @@ def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]
         "--model_name_or_path", "tiny" if smoke else "random-400M",
         "--train_file", str(data_dir / f"{v.data}_train.jsonl"),
         "--validation_file", str(data_dir / f"{v.data}_validation.jsonl"),
-        "--max_source_length", "128", "--max_target_length", "64", "--source_prefix", "chatbot: ",
+        "--max_source_length", "128", "--max_target_length", "64", "--source_prefix", PREFIX,
         "--val_max_target_length", "64", "--val_min_target_length", "64", "--num_beams", "10",
         "--n_val", str(N_EVAL if v.evaluate else 2 * v.processes),
         "--per_device_train_batch_size", str(v.batch), "--per_device_eval_batch_size", str(eval_batch),
-        "--max_train_steps", str(v.steps), "--logging_steps", "1" if v.cpu else "2", "--save_model", "false", "--seed", "25",
+        "--max_train_steps", str(v.steps), "--logging_steps", "1" if v.cpu else "2", "--save_model", "false",
+        "--seed", "25",
         "--learning_rate", "1e-6", "--weight_decay", "0.0", "--num_warmup_steps", "100",
         "--output_dir", str(out_dir),
     ]
@@ -117,10 +119,11 @@ def summarize(events: list[dict], launched: float, v: Variant) -> dict:
     """Numbers of one run from its metrics.jsonl events."""
     logs = [e for e in events if e["event"] == "log"]
     steady = [e["samples_per_second"] for e in logs if e["step"] > 2] or [e["samples_per_second"] for e in logs]
-    out = dict(steps=len(logs), losses=[round(e["loss"], 5) for e in logs])
+    out = {"steps": len(logs), "losses": [round(e["loss"], 5) for e in logs]}
     if steady:
         rate = statistics.median(steady)
-        out.update(samples_per_second=rate, epoch_10k_seconds=10_000 / rate, first_step_seconds=logs[0]["time"] - launched)
+        out.update(samples_per_second=rate, epoch_10k_seconds=10_000 / rate,
+                   first_step_seconds=logs[0]["time"] - launched)
         if v.data == "fixed" and not v.cpu:  # the FLOP count is the 400M model's
             out["tflops_per_gpu"] = rate * FLOPS_PER_SAMPLE / v.processes / 1e12
     peaks = [e["gpu_mem_gib"] for e in logs if e.get("gpu_mem_gib") is not None]
@@ -143,14 +146,15 @@ def run(v: Variant, data_dir: Path, work: Path, smoke: bool, timeout: float, tag
     log.info("%s: %s", v.name, " ".join(argv[2:]))
     launched = time.time()
     try:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
         code, stderr = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as err:
-        code, stderr = "timeout", (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        partial = err.stderr or ""
+        code, stderr = "timeout", partial.decode(errors="replace") if isinstance(partial, bytes) else partial
     if out_dir.exists():
         (out_dir / "launch.log").write_text(stderr)  # the run's own log, for when a number looks wrong
-    result = dict(variant=asdict(v), name=v.name, precision=v.precision, wall_seconds=time.time() - launched,
-                  ok=code == 0)
+    result = {"variant": asdict(v), "name": v.name, "precision": v.precision,
+              "wall_seconds": time.time() - launched, "ok": code == 0}
     metrics = out_dir / "metrics.jsonl"
     events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     result.update(summarize(events, launched, v))
@@ -200,7 +204,8 @@ def write_data(data_dir: Path, smoke: bool) -> dict:
     n_rows, n_eval = (64, 16) if smoke else (N_ROWS, N_EVAL)
     rows, _ = generate_split(300 if smoke else 6300, random.Random("bench"), allow_held_out=True, seen=set())
     rng = random.Random(0)
-    words = [w for r in rows[:2000] for w in (r["labels"] + " " + r["texts"]).replace("<s>", " ").replace("</s>", " ").split()]
+    text = " ".join(r["labels"] + " " + r["texts"] for r in rows[:2000])
+    words = text.replace("<s>", " ").replace("</s>", " ").split()
     # Word counts that give ~124 source tokens: just under the cut, so the CLI never has to fit
     # (shorten) them, and every batch still pads to 128 in both recipes.
     tokenizer = load_tokenizer("tiny" if smoke else "random-400M")
@@ -210,16 +215,16 @@ def write_data(data_dir: Path, smoke: bool) -> dict:
     stats = {}
     for split, n in (("train", n_rows), ("validation", n_eval)):
         realistic = [rows[i % len(rows)] for i in range(n)]
-        fixed = [dict(texts=" ".join(rng.choices(words, k=source_words)), labels=" ".join(rng.choices(words, k=reply_words)))
-                 for _ in range(n)]
+        fixed = [{"texts": " ".join(rng.choices(words, k=source_words)),
+                  "labels": " ".join(rng.choices(words, k=reply_words))} for _ in range(n)]
         sample = random.Random(1).sample(range(n), min(n, 500))
         for name, data in (("realistic", realistic), ("fixed", fixed)):
             with open(data_dir / f"{name}_{split}.jsonl", "w") as fh:
                 fh.writelines(json.dumps(r) + "\n" for r in data)
-            src = tokenizer(["chatbot: " + data[i]["texts"] for i in sample]).input_ids
+            src = tokenizer([PREFIX + data[i]["texts"] for i in sample]).input_ids
             tgt = tokenizer(text_target=[data[i]["labels"] for i in sample]).input_ids
-            stats[f"{name}_{split}"] = dict(mean_source_tokens=statistics.mean(min(len(x), 128) for x in src),
-                                            mean_reply_tokens=statistics.mean(min(len(x), 64) for x in tgt))
+            stats[f"{name}_{split}"] = {"mean_source_tokens": statistics.mean(min(len(x), 128) for x in src),
+                                        "mean_reply_tokens": statistics.mean(min(len(x), 64) for x in tgt)}
     return stats
 
 
@@ -242,16 +247,9 @@ def matmul_tflops() -> float | None:
 
 
 def environment() -> dict:
-    import accelerate
-    import deepspeed
     import torch
-    import transformers
 
-    gpus = torch.cuda.device_count()
-    return dict(date=datetime.date.today().isoformat(), gpus=gpus,
-                gpu=torch.cuda.get_device_name(0) if gpus else platform.processor() or "cpu",
-                torch=torch.__version__, transformers=transformers.__version__, accelerate=accelerate.__version__,
-                deepspeed=deepspeed.__version__, python=platform.python_version())
+    return {"gpus": torch.cuda.device_count(), "gpu": device_name(), **versions("accelerate", "deepspeed")}
 
 
 def plan(parts: list[str], gpus: int, batch: int, tuned_batch: int, smoke: bool) -> list[Variant]:
@@ -267,7 +265,8 @@ def plan(parts: list[str], gpus: int, batch: int, tuned_batch: int, smoke: bool)
         for strategy in (("zero2",) if smoke else ("zero2", "ddp")):
             for recipe in ("seed", "tuned"):
                 b = tuned_batch if (recipe, strategy) == ("tuned", "zero2") else batch
-                out.append(Variant(recipe, strategy, "fixed", b, n, evaluate=strategy == "zero2", steps=steps, cpu=smoke))
+                out.append(Variant(recipe, strategy, "fixed", b, n, evaluate=strategy == "zero2", steps=steps,
+                                   cpu=smoke))
     if "realistic" in parts:
         out += [Variant(r, "zero2", "realistic", tuned_batch if r == "tuned" else batch, n, steps=steps, cpu=smoke)
                 for r in ("seed", "tuned")]
@@ -300,15 +299,15 @@ def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, time
         base = Variant(recipe, strategy, "fixed", measured["variant"]["batch"] if measured else 8, gpus, steps=3)
         probes = []
 
-        def fits(b: int) -> bool:
+        def fits(b: int, base: Variant = base, probes: list = probes) -> bool:  # defaults bind this setup's
             r = run(replace(base, batch=b), data_dir, work, smoke=False, timeout=timeout, tag="probe-")
             probes.append({k: r.get(k) for k in ("name", "ok", "peak_gib", "oom", "error")})
             return r["ok"]
 
         estimate = measured.get("max_batch_estimate") if measured else None
         best = search_max_batch(fits, start=base.batch, estimate=estimate, step=32)
-        found.append(dict(recipe=recipe, strategy=strategy, precision=base.precision, max_batch=best,
-                          estimate=estimate, probes=probes))
+        found.append({"recipe": recipe, "strategy": strategy, "precision": base.precision, "max_batch": best,
+                      "estimate": estimate, "probes": probes})
         if on_found:
             on_found(found)
         log.info("max batch %s %s: %d", recipe, strategy, best)
@@ -317,32 +316,34 @@ def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, time
 
 def markdown(report: dict) -> str:
     env = report["environment"]
-    lines = [f"Run {env['date']} on {env['gpus']}x {env['gpu']} · torch {env['torch']} · transformers "
-             f"{env['transformers']} · accelerate {env['accelerate']} · deepspeed {env['deepspeed']}",
-             f"Command: `{report['command']}`", ""]
+    title = (f"Run {env['date']} on {env['gpus']}x {env['gpu']} · torch {env['torch']} · transformers "
+             f"{env['transformers']} · accelerate {env['accelerate']} · deepspeed {env['deepspeed']}")
+    lines = [title, f"Command: `{report['command']}`", ""]
     if report.get("matmul_tflops"):
-        lines.append(f"Measured bf16 GEMM rate: {report['matmul_tflops']:.0f} TFLOP/s per GPU.\n")
-    lines += ["| run | samples/s | s per 10k epoch | TFLOP/s per GPU | peak GiB | first step s | eval 1k s |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"Measured bf16 GEMM rate: {report['matmul_tflops']:.0f} TFLOP/s per GPU.", ""]
 
     def cell(r, key, fmt):
         return fmt.format(r[key]) if r.get(key) is not None else "–"
 
+    rows = []
     for r in report["runs"]:
         if not r["ok"]:
-            lines.append(f"| {r['name']} | failed: {r.get('error', '')[:80]} | | | | | |")
+            rows.append([r["name"], f"failed: {r.get('error', '')[:80]}", "", "", "", "", ""])
             continue
-        lines.append(f"| {r['name']} | {cell(r, 'samples_per_second', '{:,.0f}')} | {cell(r, 'epoch_10k_seconds', '{:.2f}')} "
-                     f"| {cell(r, 'tflops_per_gpu', '{:.0f}')} | {cell(r, 'peak_gib', '{:.1f}')} "
-                     f"| {cell(r, 'first_step_seconds', '{:.1f}')} | {cell(r, 'eval_seconds', '{:.1f}')} |")
+        rows.append([r["name"], cell(r, "samples_per_second", "{:,.0f}"), cell(r, "epoch_10k_seconds", "{:.2f}"),
+                     cell(r, "tflops_per_gpu", "{:.0f}"), cell(r, "peak_gib", "{:.1f}"),
+                     cell(r, "first_step_seconds", "{:.1f}"), cell(r, "eval_seconds", "{:.1f}")])
+    lines += md_table(["run", "samples/s", "s per 10k epoch", "TFLOP/s per GPU", "peak GiB", "first step s",
+                       "eval 1k s"], rows, align="lrrrrrr")
     if report.get("speedups"):
-        lines += ["", "| tuned vs seed | ratio |", "|---|---:|"]
-        lines += [f"| {k} | {v:.2f}x |" for k, v in report["speedups"].items()]
+        lines += ["", *md_table(["tuned vs seed", "ratio"], [[k, f"{v:.2f}x"] for k, v in report["speedups"].items()],
+                                align="lr")]
     if report.get("max_batch"):
-        lines += ["", "| max micro-batch per GPU | batch | probes |", "|---|---:|---|"]
+        rows = []
         for m in report["max_batch"]:
-            probes = ", ".join(f"{p['name'].split('-b')[1].split('-')[0]}{'✓' if p['ok'] else '✗'}" for p in m["probes"])
-            lines.append(f"| {m['recipe']} {m['strategy']} {m['precision']} | {m['max_batch']} | {probes} |")
+            batches = [p["name"].split("-b")[1].split("-")[0] + ("✓" if p["ok"] else "✗") for p in m["probes"]]
+            rows.append([f"{m['recipe']} {m['strategy']} {m['precision']}", m["max_batch"], ", ".join(batches)])
+        lines += ["", *md_table(["max micro-batch per GPU", "batch", "probes"], rows, align="lrl")]
     return "\n".join(lines) + "\n"
 
 
@@ -355,7 +356,8 @@ def speedups(runs: list[dict]) -> dict:
             n = max((k[3] for k in by), default=1)
             seed, tuned = by.get(("seed", strategy, data, n)), by.get(("tuned", strategy, data, n))
             if seed and tuned and seed.get("samples_per_second") and tuned.get("samples_per_second"):
-                out[f"training samples/s, {strategy}, {data}"] = tuned["samples_per_second"] / seed["samples_per_second"]
+                rate = tuned["samples_per_second"] / seed["samples_per_second"]
+                out[f"training samples/s, {strategy}, {data}"] = rate
             if seed and tuned and seed.get("eval_seconds") and tuned.get("eval_seconds"):
                 out[f"evaluation, {strategy}, {data} (seed s / tuned s)"] = seed["eval_seconds"] / tuned["eval_seconds"]
     one = by.get(("tuned", "zero2", "fixed", 1))
@@ -380,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", type=Path, help="results.json of an earlier run on the same machine: its timed "
                         "runs give the maxbatch part its starting batch and estimate when `train` is not rerun.")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
@@ -389,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batch and --tuned_batch must be >= 1")
     setups = tuple(x.strip() for x in args.max_batch_setups.split(",") if x.strip())
     if not setups or set(setups) - set(MAX_BATCH_SETUPS):
-        parser.error(f"--max_batch_setups takes a subset of {', '.join(MAX_BATCH_SETUPS)}; got {args.max_batch_setups!r}")
+        parser.error(f"--max_batch_setups takes a subset of {', '.join(MAX_BATCH_SETUPS)}; "
+                     f"got {args.max_batch_setups!r}")
     reused = []
     if args.reuse:
         try:
@@ -403,12 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     work, data_dir = out / "runs", out / "data"
     os.environ.setdefault("HF_DATASETS_CACHE", str((out / "hf_datasets").resolve()))  # shared by every run
-    report = dict(environment=env, command="python -m bench.train " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  data=write_data(data_dir, args.smoke), runs=[])
-    out.mkdir(parents=True, exist_ok=True)
+    report = {"environment": env, "command": command_line("bench.train", argv),
+              "data": write_data(data_dir, args.smoke), "runs": []}
     for v in plan(parts, env["gpus"], batch, 4 if args.smoke else args.tuned_batch, args.smoke):
         report["runs"].append(run(v, data_dir, work, args.smoke, args.timeout))
-        (out / "results.json").write_text(json.dumps(report, indent=2))  # partial results survive a kill
+        write_json(out / "results.json", report)  # partial results survive a kill
     if env["gpus"]:
         import torch
 
@@ -421,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def save(found: list) -> None:
             report["max_batch"] = found
-            (out / "results.json").write_text(json.dumps(report, indent=2))
+            write_json(out / "results.json", report)
 
         max_batches(report["runs"] + reused, data_dir, work, env["gpus"], args.timeout, setups, on_found=save)
     report["speedups"] = speedups(report["runs"])
@@ -431,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             if r.get("tflops_per_gpu"):
                 r["fraction_of_measured_gemm"] = r["tflops_per_gpu"] / report["matmul_tflops"]
                 r["mfu_vs_datasheet"] = r["tflops_per_gpu"] * 1e12 / H200_PEAK_BF16
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
+    write_json(out / "results.json", report)
     (out / "results.md").write_text(markdown(report))
     log.info("results in %s", out / "results.md")
     return 0 if all(r["ok"] for r in report["runs"]) else 1

@@ -1,0 +1,89 @@
+"""Helpers the benchmarks share: what machine and versions a result came from, percentiles,
+the sample prompts, and writing results. Heavy imports stay inside the functions, so
+``bench.train`` (which only launches subprocesses) starts without torch."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from chat.layout import SAMPLE_DIR
+
+
+def cpu_name() -> str:
+    """The CPU's model name as ``lscpu`` reports it (``platform`` as a fallback)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name() -> str:
+    """The first GPU's name, or the CPU's when there is none."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu_name()
+
+
+def versions(*packages: str) -> dict[str, str]:
+    """Today's date and the versions of Python, torch, transformers and ``packages``: the header
+    every result records, so numbers from different runs can be told apart."""
+    found = {name: importlib.import_module(name).__version__ for name in ("torch", "transformers", *packages)}
+    return dict(date=datetime.date.today().isoformat(), python=platform.python_version(), **found)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How to rerun this benchmark: ``python -m MODULE ARGS`` (``argv`` None: the process's own)."""
+    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (``q`` in 0..100) with linear interpolation between the two nearest
+    samples: numpy's default method, and ``statistics.median`` at ``q=50``. So a p95 over 8 samples
+    lies 65 % of the way from the 7th to the 8th (slowest) one."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q is a percentage in 0..100, got {q}")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def sample_rows(split: str = "validation") -> list[dict]:
+    """The rows of the shipped sample data (``texts``: the source, ``labels``: the reply)."""
+    lines = (SAMPLE_DIR / f"{split}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def quiet_transformers() -> None:
+    """Errors only, no progress bars: a benchmark's stdout is its results."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def md_table(header: list[str], rows: list[list], align: str = "") -> list[str]:
+    """A markdown table as lines; ``align`` has one letter per column, ``l`` (the default) or ``r``."""
+    seps = ["---:" if a == "r" else "---" for a in align.ljust(len(header), "l")]
+    return ["| " + " | ".join(map(str, cells)) + " |" for cells in (header, seps, *rows)]
+
+
+def write_json(path: str | Path, data: dict, indent: int = 2) -> Path:
+    """Write ``data`` to ``path`` as JSON (making its folder), and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent) + "\n")
+    return path
