@@ -29,17 +29,46 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
+class CheckpointNotFound(FileNotFoundError):
+    """``--resume_from_checkpoint`` names no complete checkpoint; ``file`` is where it looked."""
+
+    def __init__(self, message: str, file: str):
+        super().__init__(message)  # (not OSError's filename: that would change the message)
+        self.file = file
+
+
 def find_checkpoint(output_dir: str | Path, spec: str) -> Path:
     """Resolve ``--resume_from_checkpoint``: 'latest' in output_dir, or a checkpoint path."""
     if spec == "latest":
         found = list_checkpoints(output_dir)
         if not found:
-            raise FileNotFoundError(f"no checkpoint to resume from in {Path(output_dir) / CHECKPOINTS}")
+            root = Path(output_dir) / CHECKPOINTS
+            raise CheckpointNotFound(f"no checkpoint to resume from in {root}", file=str(root))
         return found[-1]
     path = Path(spec)
     if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{spec} is not a complete checkpoint (no {STATE_FILE})")
+        raise CheckpointNotFound(f"{spec} is not a complete checkpoint (no {STATE_FILE})", file=spec)
     return path
+
+
+def run_started(output_dir: str | Path) -> bool:
+    """Did a training run start in ``output_dir``: a ``start`` event in metrics.jsonl, or a
+    checkpoint? A run that failed before its start (bad data, unknown model) leaves only its
+    ``error`` event, and does not count."""
+    if list_checkpoints(output_dir):
+        return True
+    try:
+        with open(Path(output_dir) / METRICS_FILE, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a line cut short by a crash
+                    continue
+                if isinstance(event, dict) and event.get("event") == "start":
+                    return True
+    except FileNotFoundError:
+        pass
+    return False
 
 
 def save_checkpoint(accelerator, output_dir: str | Path, state: dict, keep: int) -> Path:

@@ -28,7 +28,12 @@ STRUCTURED = ("kind", "context", "turns", "response")
 
 
 class DataError(ValueError):
-    """Bad input data; the message names the file, row and problem."""
+    """Bad input data; the message names the file, row and problem. ``file`` is the local data
+    file when there is one (not for a Hub dataset)."""
+
+    def __init__(self, message: str, file: str | None = None):
+        super().__init__(message)
+        self.file = file
 
 
 def _first_bad_json_line(path: str) -> str:
@@ -66,21 +71,22 @@ def _has_no_rows(file: Path, loader: str) -> bool:
 def _read_file(path: str) -> Dataset:
     file = Path(path)
     if not file.is_file():
-        raise DataError(f"{path}: no such file")
+        raise DataError(f"{path}: no such file", file=path)
     loader = LOADERS.get(file.suffix.lower())
     if loader is None:
-        raise DataError(f"{path}: unsupported file type {file.suffix!r} (use .jsonl, .json, .csv or .parquet)")
+        raise DataError(f"{path}: unsupported file type {file.suffix!r} (use .jsonl, .json, .csv or .parquet)",
+                        file=path)
     if _has_no_rows(file, loader):  # datasets fails on these with cryptic errors (or none at all)
-        raise DataError(f"{path}: the file has no rows")
+        raise DataError(f"{path}: the file has no rows", file=path)
     try:
         ds = load_dataset(loader, data_files=str(file), split="train")
     except Exception as err:  # datasets wraps parser errors in several exception types
         detail = _first_bad_json_line(path) if loader == "json" else ""
         cause = err.__cause__ or err
         first_line = (str(cause).splitlines() or [type(cause).__name__])[0]  # some errors have no message
-        raise DataError(f"{path}: cannot read the file: {detail or first_line}") from None
+        raise DataError(f"{path}: cannot read the file: {detail or first_line}", file=path) from None
     if len(ds) == 0:
-        raise DataError(f"{path}: the file has no rows")
+        raise DataError(f"{path}: the file has no rows", file=path)
     return ds
 
 
@@ -133,7 +139,8 @@ def validate(ds: Dataset, where: str) -> Dataset:
 
 def load_raw(cfg) -> DatasetDict:
     """The train and validation splits, validated, cut to n_train / n_val first rows."""
-    if cfg.train_file or cfg.dataset_name == "sample":
+    local = bool(cfg.train_file or cfg.dataset_name == "sample")
+    if local:
         train_file = cfg.train_file or str(SAMPLE_DIR / "train.jsonl")
         val_file = cfg.validation_file or str(SAMPLE_DIR / "validation.jsonl")
         splits = {"train": (_read_file(train_file), train_file), "validation": (_read_file(val_file), val_file)}
@@ -156,7 +163,11 @@ def load_raw(cfg) -> DatasetDict:
         ds, where = splits[split]
         if limit is not None:
             ds = ds.select(range(min(limit, len(ds))))  # the first rows, as the seed did
-        out[split] = validate(ds, where)
+        try:
+            out[split] = validate(ds, where)
+        except DataError as err:
+            err.file = where if local else None  # a Hub split is no file
+            raise
     return DatasetDict(out)
 
 

@@ -21,7 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class HubError(RuntimeError):
-    """The Hub refused or could not be reached; the local checkpoint is intact."""
+    """The Hub refused or could not be reached; the local checkpoint (``file``, if given) is intact."""
+
+    def __init__(self, message: str, file: str | None = None):
+        super().__init__(message)
+        self.file = file
 
 
 def hardware() -> str:
@@ -81,5 +85,5 @@ def push(folder: Path, repo_id: str, private: bool = False) -> str:
             f"could not push {folder} to {repo_id} ({type(err).__name__}: {first}). "
             "Check the network, HF_TOKEN or `hf auth login`, and the repo name. "
             f"The local checkpoint in {folder} is intact."
-        )) from None
+        ), file=str(folder)) from None
     return str(url)

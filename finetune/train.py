@@ -1,43 +1,66 @@
 """The training recipe: BlenderBot on MuDoConv-format data with accelerate (+ DeepSpeed).
 
 Run with ``accelerate launch --config_file configs/accelerate/<name>.yaml -m finetune ...`` or,
-on one process, ``python -m finetune ...``. The straight path: data and model are loaded and
-checked (nothing is written before that), the accelerator prepares everything, the loop trains
-with periodic logging and checkpoints, each epoch ends with an evaluation, and the final model
-is saved (and pushed to the Hub if asked).
+on one process, ``python -m finetune ...``. ``train()`` is one straight path of four steps:
+
+- ``setup``: data and model are loaded and checked (a bad file or model id fails before the run
+  writes anything but its error event), the accelerator prepares model, optimizer, scheduler
+  and loaders, a checkpoint is restored when resuming, and the ``start`` event is written;
+- ``train_epoch``: optimizer steps, with periodic logging, checks and checkpoints;
+- ``evaluate_epoch``: each epoch ends with an evaluation (and a checkpoint, except the last epoch);
+- ``finish``: the final model, all_results.json, the ``done`` event, the Hub push if asked.
+
+Every failure that ends a run becomes one ``error`` event in metrics.jsonl, written by ``main``
+(``error_event`` lists its fields).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import signal
 import sys
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import datasets
 import torch
 import transformers
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler, InitProcessGroupKwargs, set_seed
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoConfig, DataCollatorForSeq2Seq, get_scheduler
+from transformers import AutoConfig
 
-from chat.layout import FINAL, RESULTS_FILE, TRAINING_ARGS_FILE
+from chat.layout import RESULTS_FILE
+from chat.model import ModelLoadError, configure_attention, load_model, load_tokenizer, resolve
 from finetune import checkpoint as ckpt
 from finetune.config import TrainConfig, parse_args
-from finetune.data import DataError, LengthGroupedSampler, load_raw, row_lengths, tokenize
-from finetune.evaluate import evaluate, generation_kwargs
-from finetune.hub import HubError, push, write_model_card
-from chat.model import ModelLoadError, configure_attention, load_model, load_tokenizer, resolve
+from finetune.data import DataError, load_raw, tokenize
+from finetune.evaluate import evaluate
+from finetune.hub import HubError, push
+from finetune.parts import (
+    OutputDirInUse,
+    StopRequest,
+    TrainingError,
+    check_output_dir,
+    make_accelerator,
+    make_loaders,
+    make_optimizer,
+    plan_steps,
+    save_final,
+    start_profiler,
+)
 
 log = get_logger(__name__)
+
+# Failures the recipe expects and explains. An `error` event's kind is one of these names, or
+# "internal" for anything else (a bug, or a failure nobody explained yet: see the traceback).
+KNOWN_ERRORS = (DataError, ModelLoadError, TrainingError, HubError, FileNotFoundError)
+
 
 # After this many consecutive non-finite losses the run stops. fp16 gets room for DeepSpeed's
 # dynamic loss scale to back off (it skips overflowing steps and halves the scale).
@@ -47,139 +70,95 @@ NONFINITE_PATIENCE = {"fp16": 50}
 CHECK_EVERY = 10
 
 
-class TrainingError(RuntimeError):
-    """A run cannot go on (out of memory, non-finite loss, bad output dir); the message says why."""
+# --------------------------------------------------------------------------- the run's state
 
 
-def make_accelerator(cfg: TrainConfig) -> Accelerator:
-    handlers = []
-    launched_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and "LOCAL_RANK" in os.environ
-    if launched_deepspeed and not torch.cuda.is_available():
-        # DeepSpeed on CPU: without an explicit gloo backend accelerate counts one process.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    return Accelerator(
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        log_with=cfg.report_to if cfg.with_tracking else None,  # "all" = every installed tracker
-        project_dir=cfg.output_dir,
-        kwargs_handlers=handlers,
-        # A seeded sampler makes the data order reproducible, so a resumed run sees what an
-        # uninterrupted one would have.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-    )
+@dataclass
+class LossWindow:
+    """What the loop sums up between two log steps / checks. The tensors stay on the device:
+    reading them every step would make the CPU wait for the GPU each step instead of queueing
+    the next one."""
+
+    sums: torch.Tensor  # (sum of finite losses, their count) since the last log step
+    bad_run: torch.Tensor  # consecutive steps with a non-finite loss
+    worst_bad_run: torch.Tensor  # longest such run since the last check
+    start: float = field(default_factory=time.perf_counter)
+    samples: int = 0  # on all processes, since the last log step
+
+    @classmethod
+    def on(cls, device) -> LossWindow:
+        return cls(torch.zeros(2, device=device), torch.zeros((), device=device), torch.zeros((), device=device))
 
 
-def check_output_dir(cfg: TrainConfig) -> None:
-    out = Path(cfg.output_dir)
-    if cfg.resume_from_checkpoint is None and (out / ckpt.METRICS_FILE).exists():
-        raise TrainingError(
-            f"{out} already holds a run; pass --resume_from_checkpoint latest to continue it, "
-            "or choose another --output_dir"
-        )
+@dataclass
+class Run:
+    """One run: what setup() prepared, and where the loop is. Every step of train() takes it."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    tokenizer: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_dl: DataLoader
+    eval_dl: DataLoader
+    train_samples: int
+    eval_samples: int
+    steps_per_epoch: int
+    total_steps: int
+    epochs: int
+    zero_stage: int | None
+    metrics: ckpt.MetricsWriter
+    completed: int = 0  # optimizer steps done (a resumed run starts at its checkpoint's)
+    epoch: int = 0  # the epoch being trained; a checkpoint records it with `completed`
+    resumed_at: int = 0
+    skip_batches: int = 0  # micro-batches of its first epoch that a resumed run already trained on
+    # set by begin(), right before the loop
+    stop: StopRequest | None = None
+    progress: Any = None
+    profiler: Any = None
+    window: LossWindow | None = None
+    # filled by the loop
+    results: dict = field(default_factory=dict)  # the last evaluation
+    epoch_times: list[float] = field(default_factory=list)
+    eval_times: list[float] = field(default_factory=list)
+    stopped: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def patience(self) -> int:
+        return NONFINITE_PATIENCE.get(self.accelerator.mixed_precision, 1)
 
 
-def make_optimizer(accelerator, model, cfg, total_steps: int):
-    """DeepSpeed's own optimizer/scheduler when its JSON defines them, torch/transformers otherwise."""
-    ds = accelerator.state.deepspeed_plugin
-    ds_cfg = ds.deepspeed_config if ds else {}
-    no_decay = ("bias", "layer_norm.weight", "layernorm_embedding.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)], "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
-    ]
-    if "optimizer" in ds_cfg:
-        optimizer = DummyOptim(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=torch.cuda.is_available())
-    # accelerate expects schedules counted in per-process steps (it divides DeepSpeed's total
-    # by the process count and steps a torch scheduler once per process), hence the scaling.
-    if "scheduler" in ds_cfg:
-        scheduler = DummyScheduler(optimizer, total_num_steps=total_steps * accelerator.num_processes,
-                                   warmup_num_steps=cfg.num_warmup_steps)
-    else:
-        scheduler = get_scheduler(
-            cfg.lr_scheduler_type, optimizer,
-            num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
-            num_training_steps=total_steps * accelerator.num_processes,
-        )
-    if ds and ds_cfg.get("gradient_clipping") == "auto":
-        ds_cfg["gradient_clipping"] = cfg.max_grad_norm
-    return optimizer, scheduler
-
-
-def start_profiler(folder: str):
-    """torch.profiler over optimizer steps 3-5; tables sorted by device and by CPU time."""
-    out = Path(folder)
-    try:  # fail now, with a clear message, not at step 5 after minutes of training
-        out.mkdir(parents=True, exist_ok=True)
-        (out / ".write-test").touch()
-        (out / ".write-test").unlink()
-    except OSError as err:
-        raise TrainingError(f"--profile_dir {folder}: cannot write there ({err.strerror or err})") from None
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-
-    def write(prof):
-        averages = prof.key_averages()
-        for key in ("cuda_time_total", "cpu_time_total"):
-            if key == "cuda_time_total" and not torch.cuda.is_available():
-                continue
-            (out / f"train_steps_by_{key}.txt").write_text(averages.table(sort_by=key, row_limit=40))
-        log.info(f"profile of steps 3-5 written to {out}")
-
-    profiler = torch.profiler.profile(activities=activities, on_trace_ready=write,
-                                      schedule=torch.profiler.schedule(wait=2, warmup=0, active=3, repeat=1))
-    profiler.start()
-    return profiler
-
-
-class StopRequest:
-    """Set by SIGTERM/SIGINT or by a STOP file in the output dir; checked collectively at each
-    check point of the loop (log steps, checkpoints, and every CHECK_EVERY steps)."""
-
-    def __init__(self, output_dir: str):
-        self.file = Path(output_dir) / ckpt.STOP_FILE
-        self.signalled = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signalled = True
-
-    def __call__(self) -> bool:
-        return self.signalled or self.file.exists()
-
-
-def save_final(accelerator, model, tokenizer, cfg: TrainConfig, results: dict) -> Path:
-    """save_pretrained (safetensors, full fp32 weights even under ZeRO) + everything chat needs."""
-    state_dict = accelerator.get_state_dict(model)  # every rank: ZeRO-3 gathers shards here
-    dest = Path(cfg.output_dir) / FINAL
-    if accelerator.is_main_process:
-        tmp = Path(tempfile.mkdtemp(dir=cfg.output_dir, prefix=".final-"))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the app and a Space serve from it
-        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        gen = unwrapped.generation_config
-        for key, value in generation_kwargs(cfg).items():
-            setattr(gen, key, value)
-        gen.save_pretrained(tmp)
-        (tmp / TRAINING_ARGS_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
-        (tmp / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-        write_model_card(tmp, cfg, results, accelerator.num_processes)
-        ckpt.publish_dir(tmp, dest)
-    accelerator.wait_for_everyone()
-    return dest
+# --------------------------------------------------------------------------- the steps of train()
 
 
 def train(cfg: TrainConfig) -> dict:
+    """Fine-tune as ``cfg`` says. Returns the final results, or {"stopped_at": step} when a stop
+    was requested (the run then ends with a checkpoint to resume from)."""
+    run = setup(cfg)
+    run.model.train()
+    for epoch in range(run.epoch, run.epochs):
+        if train_epoch(run, epoch) or evaluate_epoch(run, epoch):
+            break  # stopped
+    return finish(run)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Load and check data and model, prepare everything for the accelerator, restore the
+    checkpoint when resuming, and announce the run: the loop starts right after."""
     check_output_dir(cfg)
-    # Data and model first: a bad file or model id fails here, before anything is written.
+    resume_from = None
+    if cfg.resume_from_checkpoint:  # a wrong checkpoint fails now, not after minutes of loading
+        resume_from = ckpt.find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+    # Data and model first: a bad file or model id fails here, before the run writes anything
+    # but its error event.
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     raw = load_raw(cfg)
     accelerator = make_accelerator(cfg)
-    main = accelerator.is_main_process
     if not accelerator.is_local_main_process:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
@@ -191,214 +170,287 @@ def train(cfg: TrainConfig) -> dict:
         data = tokenize(raw, tokenizer, cfg)
     # After the accelerator exists, so ZeRO-3 can partition the weights as they load.
     model = load_model(cfg.model_name_or_path, attn_implementation=configure_attention(cfg.attention))
-
-    pad_multiple = 8 if accelerator.mixed_precision != "no" else None
-    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
-    # Collating hundreds of rows per step in Python would leave the GPU waiting: workers do it.
-    workers = cfg.dataloader_num_workers if cfg.dataloader_num_workers is not None else (2 if torch.cuda.is_available() else 0)
-    loader_kwargs = dict(collate_fn=collator, num_workers=workers, pin_memory=torch.cuda.is_available())
-    # Each loader gets its own generator: creating an iterator must not draw from the global RNG,
-    # or a resumed run (which creates it after restoring RNG states) would see different dropout.
-    if cfg.group_by_length and not cfg.pad_to_max_length:
-        group = cfg.per_device_train_batch_size * accelerator.num_processes  # one step's rows on all processes
-        order = dict(sampler=LengthGroupedSampler(row_lengths(data["train"]), group, cfg.seed))
-    else:
-        order = dict(shuffle=True)
-    train_dl = DataLoader(data["train"], batch_size=cfg.per_device_train_batch_size, **order, **loader_kwargs,
-                          generator=torch.Generator().manual_seed(cfg.seed))
-    eval_dl = DataLoader(data["validation"], batch_size=cfg.per_device_eval_batch_size, **loader_kwargs,
-                         generator=torch.Generator().manual_seed(cfg.seed))
-
-    # Steps per epoch as the prepared (sharded) loader will have them.
-    batches = math.ceil(math.ceil(len(train_dl.dataset) / cfg.per_device_train_batch_size) / accelerator.num_processes)
-    steps_per_epoch = math.ceil(batches / cfg.gradient_accumulation_steps)
-    total_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
-    epochs = math.ceil(total_steps / steps_per_epoch)
+    train_dl, eval_dl = make_loaders(accelerator, data, tokenizer, cfg)
+    steps_per_epoch, total_steps, epochs = plan_steps(len(data["train"]), accelerator, cfg)
     optimizer, scheduler = make_optimizer(accelerator, model, cfg, total_steps)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
     ds = accelerator.state.deepspeed_plugin
-    zero_stage = ds.deepspeed_config["zero_optimization"]["stage"] if ds else None
+    run = Run(cfg, accelerator, tokenizer, model, optimizer, scheduler, train_dl, eval_dl,
+              train_samples=len(data["train"]), eval_samples=len(data["validation"]),
+              steps_per_epoch=steps_per_epoch, total_steps=total_steps, epochs=epochs,
+              zero_stage=ds.deepspeed_config["zero_optimization"]["stage"] if ds else None,
+              metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=accelerator.is_main_process))
+    if resume_from:
+        restore(run, resume_from)
+    begin(run)
+    return run
 
-    completed, first_epoch, skip_batches = 0, 0, 0
-    if cfg.resume_from_checkpoint:
-        path = ckpt.find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
-        accelerator.load_state(str(path))
-        completed = json.loads((path / ckpt.STATE_FILE).read_text())["completed_steps"]
-        first_epoch, done_in_epoch = divmod(completed, steps_per_epoch)
-        skip_batches = done_in_epoch * cfg.gradient_accumulation_steps
-        log.info(f"resuming from {path} at step {completed}")
-    resumed_at = completed
 
-    metrics = ckpt.MetricsWriter(cfg.output_dir, enabled=main)
+def restore(run: Run, path: Path) -> None:
+    """Load a checkpoint's full state (weights, optimizer, scheduler, RNGs) and continue where it was.
+    Nothing between here and the loop may draw from the global RNG, or the resumed run differs."""
+    run.accelerator.load_state(str(path))
+    run.completed = run.resumed_at = json.loads((path / ckpt.STATE_FILE).read_text())["completed_steps"]
+    run.epoch, done_in_epoch = divmod(run.completed, run.steps_per_epoch)
+    run.skip_batches = done_in_epoch * run.cfg.gradient_accumulation_steps
+    log.info(f"resuming from {path} at step {run.completed}")
+
+
+def begin(run: Run) -> None:
+    """Profiler, trackers, the ``start`` event, stop handling and the progress bar."""
+    cfg, acc = run.cfg, run.accelerator
+    # Before the start event: an unwritable --profile_dir is a failed start, which does not
+    # block running the same command again (check_output_dir).
+    run.profiler = start_profiler(cfg.profile_dir) if cfg.profile_dir and run.main else None
     if cfg.with_tracking:
-        accelerator.init_trackers(cfg.report_name, config={k: v for k, v in cfg.to_dict().items() if v is not None})
-    global_batch = cfg.per_device_train_batch_size * accelerator.num_processes * cfg.gradient_accumulation_steps
-    metrics.write("start", total_steps=total_steps, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                  resumed_at=completed, num_processes=accelerator.num_processes, distributed=accelerator.distributed_type.value,
-                  zero_stage=zero_stage, mixed_precision=accelerator.mixed_precision, global_batch_size=global_batch,
-                  train_samples=len(data["train"]), eval_samples=len(data["validation"]),
-                  # weights + optimizer state before any activation: the fixed part of GPU memory
-                  gpu_mem_static_gib=torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None)
-    log.info(f"{len(data['train'])} train / {len(data['validation'])} eval rows, {accelerator.num_processes} processes, "
-             f"{accelerator.distributed_type} (ZeRO stage {zero_stage}), {total_steps} steps, global batch {global_batch}")
+        acc.init_trackers(cfg.report_name, config={k: v for k, v in cfg.to_dict().items() if v is not None})
+    global_batch = cfg.per_device_train_batch_size * acc.num_processes * cfg.gradient_accumulation_steps
+    run.metrics.write("start", total_steps=run.total_steps, epochs=run.epochs, steps_per_epoch=run.steps_per_epoch,
+                      resumed_at=run.completed, num_processes=acc.num_processes,
+                      distributed=acc.distributed_type.value, zero_stage=run.zero_stage,
+                      mixed_precision=acc.mixed_precision, global_batch_size=global_batch,
+                      train_samples=run.train_samples, eval_samples=run.eval_samples,
+                      # weights + optimizer state before any activation: the fixed part of GPU memory
+                      gpu_mem_static_gib=torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None)
+    log.info(f"{run.train_samples} train / {run.eval_samples} eval rows, {acc.num_processes} processes, "
+             f"{acc.distributed_type} (ZeRO stage {run.zero_stage}), {run.total_steps} steps, "
+             f"global batch {global_batch}")
+    run.stop = StopRequest(cfg.output_dir)
+    run.progress = tqdm(total=run.total_steps, initial=run.completed, desc="training",
+                        disable=not acc.is_local_main_process)
+    run.window = LossWindow.on(acc.device)
 
-    stop = StopRequest(cfg.output_dir)
-    patience = NONFINITE_PATIENCE.get(accelerator.mixed_precision, 1)
-    progress = tqdm(total=total_steps, initial=completed, desc="training", disable=not accelerator.is_local_main_process)
-    state = dict(completed_steps=completed, epoch=first_epoch)
-    results, epoch_times, eval_times = {}, [], []
-    # Loss sums and non-finite counts stay on the GPU between checks: reading them every step
-    # would make the CPU wait for the GPU each step instead of queueing the next one.
-    window = torch.zeros(2, device=accelerator.device)  # (sum of finite losses, count)
-    bad_run = torch.zeros((), device=accelerator.device)  # consecutive steps with a non-finite loss
-    worst_bad_run = torch.zeros((), device=accelerator.device)  # longest such run since the last check
-    window_start, window_samples = time.perf_counter(), 0
-    stopped = False
 
-    def checkpoint():
-        path = ckpt.save_checkpoint(accelerator, cfg.output_dir, state, cfg.checkpoints_total_limit)
-        metrics.write("checkpoint", step=completed, path=str(path))
-
-    profiler = start_profiler(cfg.profile_dir) if cfg.profile_dir and main else None
-    model.train()
-    for epoch in range(first_epoch, epochs):
-        state["epoch"] = epoch
-        train_dl.set_epoch(epoch)
-        active = accelerator.skip_first_batches(train_dl, skip_batches) if skip_batches else train_dl
-        skip_batches = 0
-        epoch_start = time.perf_counter()
-        for batch in active:
-            with accelerator.accumulate(model):
-                try:
-                    loss = model(**batch).loss
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-                except torch.cuda.OutOfMemoryError:
-                    metrics.write("error", step=completed, message="CUDA out of memory")
-                    raise TrainingError(
-                        f"CUDA out of memory at --per_device_train_batch_size {cfg.per_device_train_batch_size} "
-                        f"(source {cfg.max_source_length} / target {cfg.max_target_length} tokens). Try a smaller batch "
-                        "with --gradient_accumulation_steps to keep the effective batch, fp16/bf16, or ZeRO-3 + offload "
-                        "(configs/accelerate/zero3_offload.yaml)."
-                    ) from None
-            window_samples += batch["input_ids"].shape[0] * accelerator.num_processes
-            value = loss.detach().float()
-            finite = torch.isfinite(value)
-            window += torch.stack([torch.where(finite, value, 0.0), finite.float()])
-            if not accelerator.sync_gradients:
-                continue
-            completed += 1
-            state["completed_steps"] = completed
-            progress.update(1)
-            if profiler:
-                profiler.step()
-            bad_run = torch.where(finite, 0.0, bad_run + 1)
-            worst_bad_run = torch.maximum(worst_bad_run, bad_run)
-            # The first step is logged too: it shows the run is alive (and when it got going).
-            log_now = completed % cfg.logging_steps == 0 or completed == total_steps or completed == resumed_at + 1
-            save_now = bool(cfg.checkpointing_steps) and completed % cfg.checkpointing_steps == 0
-            # (a checkpoint is only written right after a check, so it never holds a non-finite step)
-            if not (log_now or save_now or completed % CHECK_EVERY == 0 or completed >= total_steps):
-                continue
-            # One small collective keeps every rank's decisions (stop, give up) identical.
-            flags = accelerator.reduce(torch.stack([torch.tensor(float(stop()), device=accelerator.device),
-                                                    worst_bad_run]), "max").tolist()
-            worst_bad_run.zero_()
-            if flags[1] >= patience:
-                metrics.write("error", step=completed, message="non-finite loss")
-                raise TrainingError(
-                    f"the loss was not finite for {int(flags[1])} step(s) up to step {completed}: lower --learning_rate, "
-                    "add --num_warmup_steps, or use bf16 instead of fp16. Last good checkpoint: "
-                    f"{(ckpt.list_checkpoints(cfg.output_dir) or ['none'])[-1]}"
-                )
-            if log_now:
-                loss_sum, count = accelerator.reduce(window, "sum").tolist()
-                elapsed = time.perf_counter() - window_start
-                entry = dict(step=completed, epoch=round(epoch + (completed - epoch * steps_per_epoch) / steps_per_epoch, 4),
-                             loss=loss_sum / max(count, 1), lr=scheduler.get_last_lr()[0],
-                             samples_per_second=window_samples / elapsed)
-                if torch.cuda.is_available():
-                    entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                metrics.write("log", **entry)
-                progress.set_postfix(loss=f"{entry['loss']:.4f}")
-                if cfg.with_tracking:
-                    accelerator.log({"train_loss": entry["loss"], "lr": entry["lr"],
-                                     "samples_per_second": entry["samples_per_second"]}, step=completed)
-                window.zero_()
-                window_start, window_samples = time.perf_counter(), 0
-            if flags[0] > 0:
-                checkpoint()
-                metrics.write("stopped", step=completed)
-                log.info(f"stop requested: saved a checkpoint at step {completed}; resume with --resume_from_checkpoint latest")
-                stopped = True
-                break
-            if save_now:
-                checkpoint()
-            if completed >= total_steps:
-                break
-        if stopped:
+def train_epoch(run: Run, epoch: int) -> bool:
+    """Optimizer steps until the epoch's data or the run's steps run out. True if the run stopped."""
+    run.epoch = epoch
+    run.train_dl.set_epoch(epoch)
+    batches = run.train_dl
+    if run.skip_batches:  # a resumed run's first epoch: what its checkpoint already trained on
+        batches = run.accelerator.skip_first_batches(run.train_dl, run.skip_batches)
+        run.skip_batches = 0
+    epoch_start = time.perf_counter()
+    for batch in batches:
+        finite = forward_backward(run, batch)
+        if not run.accelerator.sync_gradients:
+            continue  # accumulating: the optimizer step comes with a later micro-batch
+        run.completed += 1
+        run.progress.update(1)
+        if run.profiler:
+            run.profiler.step()
+        window = run.window
+        window.bad_run = torch.where(finite, 0.0, window.bad_run + 1)
+        window.worst_bad_run = torch.maximum(window.worst_bad_run, window.bad_run)
+        if check(run, epoch):
+            return True
+        if run.completed >= run.total_steps:
             break
-        epoch_times.append(time.perf_counter() - epoch_start)
-        evaluated = evaluate(accelerator, model, eval_dl, tokenizer, cfg, zero3=zero_stage == 3, should_stop=stop)
-        if evaluated is None:  # stop requested mid-evaluation: keep the trained steps, skip this eval
-            checkpoint()
-            metrics.write("stopped", step=completed)
-            log.info(f"stop requested during evaluation: saved a checkpoint at step {completed}")
-            stopped = True
-            break
-        results = evaluated
-        eval_times.append(results["eval_seconds"])
-        for sample in results["samples"][:5]:  # all of them go to metrics.jsonl
-            log.info(f"prompt: {sample['prompt']!r} | prediction: {sample['prediction']!r} | reference: {sample['reference']!r}")
-        metrics.write("eval", step=completed, epoch=epoch, eval_bleu=results["eval_bleu"], eval_loss=results["eval_loss"],
-                      train_epoch_seconds=epoch_times[-1], eval_epoch_seconds=results["eval_seconds"],
-                      samples=results["samples"][:20])
-        log.info(f"epoch {epoch}: BLEU {results['eval_bleu']:.2f}, eval loss {results['eval_loss']:.4f}, "
-                 f"train {epoch_times[-1]:.1f}s, eval {results['eval_seconds']:.1f}s")
-        if cfg.with_tracking:
-            accelerator.log({"eval_bleu": results["eval_bleu"], "eval_loss": results["eval_loss"],
-                             "train_epoch_seconds": epoch_times[-1], "eval_epoch_seconds": results["eval_seconds"]}, step=completed)
-        if completed < total_steps:  # the last epoch's state is the final model below
-            checkpoint()
-    progress.close()
-    if profiler:  # a run that ends inside steps 3-5 writes the steps it recorded
-        profiler.stop()
-    if stopped:
-        accelerator.end_training()
-        return {"stopped_at": completed}
+    run.epoch_times.append(time.perf_counter() - epoch_start)
+    return False
 
-    summary = dict(eval_bleu=results["eval_bleu"], eval_loss=results["eval_loss"], eval_samples=results["eval_samples"],
-                   train_samples=len(data["train"]), total_steps=completed, train_epoch_seconds=epoch_times,
-                   eval_epoch_seconds=eval_times, num_processes=accelerator.num_processes, zero_stage=zero_stage)
-    final = save_final(accelerator, model, tokenizer, cfg, summary) if cfg.save_model else None
-    if main:
+
+def forward_backward(run: Run, batch) -> torch.Tensor:
+    """One micro-batch: forward, backward, and the optimizer step once the accumulation is
+    complete. Adds the loss to the window; returns whether it was finite (a device tensor)."""
+    cfg, acc = run.cfg, run.accelerator
+    with acc.accumulate(run.model):
+        try:
+            loss = run.model(**batch).loss
+            acc.backward(loss)
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad()
+        except torch.cuda.OutOfMemoryError:
+            raise TrainingError(
+                f"CUDA out of memory at --per_device_train_batch_size {cfg.per_device_train_batch_size} "
+                f"(source {cfg.max_source_length} / target {cfg.max_target_length} tokens). Try a smaller batch "
+                "with --gradient_accumulation_steps to keep the effective batch, fp16/bf16, or ZeRO-3 + offload "
+                "(configs/accelerate/zero3_offload.yaml).", step=run.completed,
+            ) from None
+    window = run.window
+    window.samples += batch["input_ids"].shape[0] * acc.num_processes
+    value = loss.detach().float()
+    finite = torch.isfinite(value)
+    window.sums += torch.stack([torch.where(finite, value, 0.0), finite.float()])
+    return finite
+
+
+def check(run: Run, epoch: int) -> bool:
+    """After an optimizer step: at log steps, checkpoint steps and every CHECK_EVERY steps, agree
+    on stop requests and non-finite losses, then log, stop or save. True if the run stopped."""
+    cfg, acc, step = run.cfg, run.accelerator, run.completed
+    # The first step is logged too: it shows the run is alive (and when it got going).
+    log_now = step % cfg.logging_steps == 0 or step == run.total_steps or step == run.resumed_at + 1
+    save_now = bool(cfg.checkpointing_steps) and step % cfg.checkpointing_steps == 0
+    # (a checkpoint is only written right after a check, so it never holds a non-finite step)
+    if not (log_now or save_now or step % CHECK_EVERY == 0 or step >= run.total_steps):
+        return False
+    # One small collective keeps every rank's decisions (stop, give up) identical.
+    stop_flag = torch.tensor(float(run.stop()), device=acc.device)
+    stop_requested, bad_steps = acc.reduce(torch.stack([stop_flag, run.window.worst_bad_run]), "max").tolist()
+    run.window.worst_bad_run.zero_()
+    if bad_steps >= run.patience:
+        raise TrainingError(
+            f"the loss was not finite for {int(bad_steps)} step(s) up to step {step}: lower --learning_rate, "
+            "add --num_warmup_steps, or use bf16 instead of fp16. Last good checkpoint: "
+            f"{(ckpt.list_checkpoints(cfg.output_dir) or ['none'])[-1]}", step=step,
+        )
+    if log_now:
+        log_window(run, epoch)
+    if stop_requested > 0:
+        stop_here(run, f"stop requested: saved a checkpoint at step {step}; "
+                       "resume with --resume_from_checkpoint latest")
+        return True
+    if save_now:
+        checkpoint(run)
+    return False
+
+
+def log_window(run: Run, epoch: int) -> None:
+    """The ``log`` event: mean loss over all processes since the last one, learning rate, speed."""
+    acc, window, step = run.accelerator, run.window, run.completed
+    loss_sum, count = acc.reduce(window.sums, "sum").tolist()
+    elapsed = time.perf_counter() - window.start
+    entry = {"step": step, "epoch": round(epoch + (step - epoch * run.steps_per_epoch) / run.steps_per_epoch, 4),
+             "loss": loss_sum / max(count, 1), "lr": run.scheduler.get_last_lr()[0],
+             "samples_per_second": window.samples / elapsed}
+    if torch.cuda.is_available():
+        entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    run.metrics.write("log", **entry)
+    run.progress.set_postfix(loss=f"{entry['loss']:.4f}")
+    if run.cfg.with_tracking:
+        acc.log({"train_loss": entry["loss"], "lr": entry["lr"],
+                 "samples_per_second": entry["samples_per_second"]}, step=step)
+    window.sums.zero_()
+    window.start, window.samples = time.perf_counter(), 0
+
+
+def checkpoint(run: Run) -> None:
+    state = {"completed_steps": run.completed, "epoch": run.epoch}
+    path = ckpt.save_checkpoint(run.accelerator, run.cfg.output_dir, state, run.cfg.checkpoints_total_limit)
+    run.metrics.write("checkpoint", step=run.completed, path=str(path))
+
+
+def stop_here(run: Run, message: str) -> None:
+    """A stop was requested: save a checkpoint to resume from and end the run without a final model."""
+    checkpoint(run)
+    run.metrics.write("stopped", step=run.completed)
+    log.info(message)
+    run.stopped = True
+
+
+def evaluate_epoch(run: Run, epoch: int) -> bool:
+    """Evaluate, write the ``eval`` event, checkpoint unless this is the last epoch. True if the run stopped."""
+    cfg, acc = run.cfg, run.accelerator
+    results = evaluate(acc, run.model, run.eval_dl, run.tokenizer, cfg, zero3=run.zero_stage == 3,
+                       should_stop=run.stop)
+    if results is None:  # stop requested mid-evaluation: keep the trained steps, skip this eval
+        stop_here(run, f"stop requested during evaluation: saved a checkpoint at step {run.completed}")
+        return True
+    run.results = results
+    run.eval_times.append(results["eval_seconds"])
+    train_seconds = run.epoch_times[-1]
+    for sample in results["samples"][:5]:  # all of them go to metrics.jsonl
+        log.info(f"prompt: {sample['prompt']!r} | prediction: {sample['prediction']!r} | "
+                 f"reference: {sample['reference']!r}")
+    run.metrics.write("eval", step=run.completed, epoch=epoch, eval_bleu=results["eval_bleu"],
+                      eval_loss=results["eval_loss"], train_epoch_seconds=train_seconds,
+                      eval_epoch_seconds=results["eval_seconds"], samples=results["samples"][:20])
+    log.info(f"epoch {epoch}: BLEU {results['eval_bleu']:.2f}, eval loss {results['eval_loss']:.4f}, "
+             f"train {train_seconds:.1f}s, eval {results['eval_seconds']:.1f}s")
+    if cfg.with_tracking:
+        acc.log({"eval_bleu": results["eval_bleu"], "eval_loss": results["eval_loss"],
+                 "train_epoch_seconds": train_seconds, "eval_epoch_seconds": results["eval_seconds"]},
+                step=run.completed)
+    if run.completed < run.total_steps:  # the last epoch's state is the final model (finish)
+        checkpoint(run)
+    return False
+
+
+def finish(run: Run) -> dict:
+    """Unless stopped: the final model, all_results.json, the ``done`` event and the Hub push.
+    Returns the summary that all_results.json holds ({"stopped_at": step} when stopped)."""
+    cfg, acc, results = run.cfg, run.accelerator, run.results
+    run.progress.close()
+    if run.profiler:  # a run that ends inside steps 3-5 writes the steps it recorded
+        run.profiler.stop()
+    if run.stopped:
+        acc.end_training()
+        return {"stopped_at": run.completed}
+    summary = {"eval_bleu": results["eval_bleu"], "eval_loss": results["eval_loss"],
+               "eval_samples": results["eval_samples"], "train_samples": run.train_samples,
+               "total_steps": run.completed, "train_epoch_seconds": run.epoch_times,
+               "eval_epoch_seconds": run.eval_times, "num_processes": acc.num_processes, "zero_stage": run.zero_stage}
+    final = save_final(acc, run.model, run.tokenizer, cfg, summary) if cfg.save_model else None
+    if run.main:
         (Path(cfg.output_dir) / RESULTS_FILE).write_text(json.dumps(summary, indent=2))
-        metrics.write("done", step=completed, final=str(final) if final else None, eval_bleu=summary["eval_bleu"])
+        run.metrics.write("done", step=run.completed, final=str(final) if final else None,
+                          eval_bleu=summary["eval_bleu"])
         log.info(f"final model in {final} (BLEU {summary['eval_bleu']:.2f})" if final
                  else f"done, final model not saved (--save_model false); BLEU {summary['eval_bleu']:.2f}")
-    accelerator.end_training()
-    if cfg.push_to_hub and main:
-        try:
-            url = push(final, cfg.hub_model_id, private=cfg.hub_private)
-        except HubError as err:
-            metrics.write("error", message=str(err))
-            raise
-        metrics.write("pushed", repo=cfg.hub_model_id, url=url)
+    acc.end_training()
+    if cfg.push_to_hub and run.main:
+        url = push(final, cfg.hub_model_id, private=cfg.hub_private)  # a HubError: main() records it
+        run.metrics.write("pushed", repo=cfg.hub_model_id, url=url)
         log.info(f"pushed to {url}")
     return summary
 
 
+# --------------------------------------------------------------------------- the CLI
+
+
+def error_event(err: Exception, cfg: TrainConfig) -> dict:
+    """The fields of the ``error`` event for a failure that ended the run::
+
+        {"event": "error", "time": ..., "kind": ..., "message": ..., "file": ...}
+
+    ``kind``: the name of the KNOWN_ERRORS class it is, or "internal" (then ``message`` is
+    "ExcType: text"). ``file``: the file or folder the error is about when the code that raised
+    it knew (the bad data file, the checkpoint of a bad resume, the output dir...), else None.
+    A failure inside the training loop (out of memory, non-finite loss) adds the ``step``."""
+    known = next((cls for cls in KNOWN_ERRORS if isinstance(err, cls)), None)
+    file = getattr(err, "file", None) or getattr(err, "filename", None)  # an OSError names its file
+    if file is None and known is ModelLoadError and Path(cfg.model_name_or_path).exists():
+        file = cfg.model_name_or_path  # a local model folder that would not load
+    if known:
+        kind, message = known.__name__, str(err)
+    else:
+        kind, message = "internal", f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    fields = {"kind": kind, "message": message, "file": None if file is None else str(file)}
+    if getattr(err, "step", None) is not None:
+        fields["step"] = err.step
+    return fields
+
+
+def record_error(err: Exception, cfg: TrainConfig) -> None:
+    """Append the run's one ``error`` event to metrics.jsonl (the app shows the run's state from it)."""
+    try:
+        ckpt.MetricsWriter(cfg.output_dir, enabled=True).write("error", **error_event(err, cfg))
+    except OSError as write_err:  # e.g. --output_dir is a file: the log still says what went wrong
+        logging.getLogger("finetune").warning(f"could not record the error in {cfg.output_dir}: {write_err}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m finetune``: train, or exit with 1 after one ``error`` event and one clear log
+    line (a traceback too for an internal error)."""
+    # RANK, not the accelerator: a run can fail before the accelerator exists.
     is_main = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if is_main else logging.ERROR, stream=sys.stderr)
+    logger = logging.getLogger("finetune")
     cfg = parse_args(argv)
     try:
         train(cfg)
-    except (DataError, ModelLoadError, TrainingError, HubError, FileNotFoundError) as err:
+    except OutputDirInUse as err:  # its metrics.jsonl is the earlier run's: left as it is
         if is_main:
-            logging.getLogger("finetune").error("%s", err)
+            logger.error("%s", err)
+        return 1
+    except Exception as err:
+        if is_main:
+            record_error(err, cfg)
+        if not isinstance(err, KNOWN_ERRORS):  # every process logs it: the failure may be its own
+            logger.exception("internal error (a bug, or a failure nobody explained yet):")
+        elif is_main:
+            logger.error("%s", err)
         return 1
     return 0

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from unittest.mock import ANY
 
 import pandas as pd
 import pytest
@@ -54,7 +55,19 @@ def run_main(caplog, train, val, out, *extra, model="tiny"):
     return rc, errors
 
 
-def assert_fails_before_training(caplog, tmp_path, train, val, *needles, precreate_out=False):
+def error_event(out: Path, kind: str, message: str, file) -> dict:
+    """The one thing a run that failed before training leaves in its output dir: its error event."""
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1, lines
+    event = json.loads(lines[0])
+    assert event == {"event": "error", "time": ANY, "kind": kind, "message": message, "file": file}
+    assert isinstance(event["time"], float)
+    return event
+
+
+def assert_fails_before_training(caplog, tmp_path, train, val, *needles, bad=None, precreate_out=False):
+    """main() fails with one clear log line and one DataError event naming ``bad`` (default: train)."""
     out = tmp_path / "out"
     if precreate_out:
         out.mkdir()
@@ -65,10 +78,7 @@ def assert_fails_before_training(caplog, tmp_path, train, val, *needles, precrea
     assert errors[0].exc_info is None and "Traceback" not in caplog.text
     for needle in needles:
         assert needle in message, f"{needle!r} not in {message!r}"
-    if precreate_out:
-        assert list(out.iterdir()) == []
-    else:
-        assert not out.exists()
+    error_event(out, "DataError", message, str(bad or train))
     return message
 
 
@@ -128,7 +138,8 @@ def test_empty_parquet_fails(tmp_path, caplog):
 def test_empty_validation_split_names_the_validation_file(tmp_path, caplog):
     train = write(tmp_path / "train.jsonl", GOOD)
     val = write(tmp_path / "val.csv", raw="texts,labels\n")
-    message = assert_fails_before_training(caplog, tmp_path, train, val, str(val), "no rows", precreate_out=True)
+    message = assert_fails_before_training(caplog, tmp_path, train, val, str(val), "no rows", bad=val,
+                                           precreate_out=True)
     assert str(train) not in message
 
 
@@ -151,7 +162,8 @@ def test_corrupt_parquet(tmp_path, caplog):
 
 def test_missing_file(tmp_path, caplog):
     val = tmp_path / "nope" / "validation.jsonl"
-    assert_fails_before_training(caplog, tmp_path, write(tmp_path / "t.jsonl", GOOD), val, str(val), "no such file")
+    assert_fails_before_training(caplog, tmp_path, write(tmp_path / "t.jsonl", GOOD), val, str(val), "no such file",
+                                 bad=val)
 
 
 def test_directory_instead_of_file(tmp_path, caplog):
@@ -368,7 +380,18 @@ def test_unknown_model_fails_with_a_clear_message(tmp_path, caplog, capsys):
     assert "offline" in message.lower() or "HF_HUB_OFFLINE" in message
     assert "tiny" in message  # says what to do instead
     assert "Traceback" not in caplog.text and "Traceback" not in capsys.readouterr().err
-    assert not out.exists()
+    error_event(out, "ModelLoadError", message, None)  # a Hub id: no file
+
+
+def test_unloadable_hub_dataset_is_a_data_error_without_a_file(tmp_path, caplog):
+    out = tmp_path / "out"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        rc = main(["--model_name_or_path", "tiny", "--dataset_name", "nobody/no-such-dataset", "--output_dir", str(out)])
+    assert rc == 1
+    errors = [r for r in caplog.records if r.name.startswith("finetune") and r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "nobody/no-such-dataset" in errors[0].getMessage()
+    error_event(out, "DataError", errors[0].getMessage(), None)
 
 
 def test_length_grouped_sampler_orders_by_length_and_is_reproducible():

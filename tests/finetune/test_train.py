@@ -1,5 +1,5 @@
 """Real training runs on CPU: DeepSpeed ZeRO-2 over 2 processes, resume, two loopback machines,
-Hub push failure. Each run uses the tiny preset on the shipped sample data."""
+Hub push failure, failures as `error` events. Each run uses the tiny preset on the shipped sample data."""
 
 import json
 import os
@@ -29,6 +29,10 @@ def accelerate(*flags):
 
 def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def errors(out: Path) -> list[dict]:
+    return [e for e in events(out) if e["event"] == "error"]
 
 
 def free_port() -> int:
@@ -150,6 +154,11 @@ def test_push_failure_is_clear_and_token_never_leaks(tiny_path, tmp_path):
     assert "could not push" in proc.stderr and "intact" in proc.stderr
     assert (out / "final" / "model.safetensors").is_file()  # the local checkpoint survives
     assert token not in proc.stdout + proc.stderr
+    # one error event, after `done`: the run itself finished, only the push failed
+    assert [e["event"] for e in events(out)][-2:] == ["done", "error"]
+    [error] = errors(out)
+    assert error["kind"] == "HubError" and "could not push" in error["message"]
+    assert error["file"] == str(out / "final")
     assert list(out.rglob("events.out.tfevents.*")), "the tensorboard tracker wrote nothing"
     for file in out.rglob("*"):
         if file.is_file():
@@ -162,6 +171,9 @@ def test_non_finite_loss_stops_the_run(tiny_path, tmp_path):
     assert proc.returncode == 1
     assert "loss was not finite" in proc.stderr
     assert events(out)[-1]["event"] == "error"
+    [error] = errors(out)
+    assert error["kind"] == "TrainingError" and "loss was not finite" in error["message"]
+    assert f"up to step {error['step']}:" in error["message"] and error["file"] is None
     assert not (out / "final").exists()
 
 
@@ -183,7 +195,7 @@ def test_length_grouped_run_resumes_exactly(tiny_path, tmp_path):
 
 
 def test_unwritable_profile_dir_fails_before_training(tmp_path):
-    from finetune.train import TrainingError, start_profiler
+    from finetune.parts import TrainingError, start_profiler
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -192,3 +204,112 @@ def test_unwritable_profile_dir_fails_before_training(tmp_path):
     profiler = start_profiler(str(tmp_path / "profile"))  # a writable folder starts a profiler
     profiler.stop()
     assert (tmp_path / "profile").is_dir() and not list((tmp_path / "profile").iterdir())
+
+
+# --------------------------------------------------------------------------- failures as error events
+
+
+def test_failed_start_does_not_block_rerunning_the_same_command(tiny_path, tmp_path):
+    """A run that fails before it starts (here: a data file not there yet) leaves one error event,
+    written by rank 0 alone even before the accelerator exists; once the file is there, the same
+    command runs."""
+    out, train = tmp_path / "run", tmp_path / "data" / "train.jsonl"
+    args = ["--output_dir", str(out), "--max_train_steps", "2", "--n_train", "64", "--save_model", "false",
+            "--train_file", str(train), "--validation_file", str(ROOT / "data/sample/validation.jsonl")]
+    launcher = accelerate("--main_process_port", str(free_port()))
+    proc = launch(args, launcher=launcher)
+    assert proc.returncode != 0
+    assert [e["event"] for e in events(out)] == ["error"]  # one event for two processes
+    assert errors(out)[0] == {**errors(out)[0], "kind": "DataError", "file": str(train)}
+    assert errors(out)[0]["message"] == f"{train}: no such file"
+
+    train.parent.mkdir()
+    train.write_text((ROOT / "data/sample/train.jsonl").read_text())
+    proc = launch(args, launcher=launcher)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [e["event"] for e in events(out)][:2] == ["error", "start"] and events(out)[-1]["event"] == "done"
+
+
+@pytest.fixture
+def mismatched_model(tiny_path, tmp_path) -> Path:
+    """A model folder whose tokenizer knows more tokens than the model has embeddings (as when a
+    tokenizer is copied in from another model): it loads fine and fails at the first step."""
+    from transformers import AutoTokenizer, BlenderbotForConditionalGeneration
+
+    folder = tmp_path / "mismatched-model"
+    model = BlenderbotForConditionalGeneration.from_pretrained(tiny_path)
+    model.resize_token_embeddings(64)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(folder)
+    return folder
+
+
+def test_internal_error_is_one_event_and_a_traceback(mismatched_model, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(["--output_dir", str(out), "--max_train_steps", "2", "--n_train", "32",
+                   "--model_name_or_path", str(mismatched_model)])
+    assert proc.returncode == 1
+    assert [e["event"] for e in events(out)] == ["start", "error"]
+    [error] = errors(out)
+    assert error == {**error, "kind": "internal", "file": None}
+    assert error["message"].startswith("IndexError: index out of range"), error["message"]
+    assert "internal error" in proc.stderr and "Traceback" in proc.stderr  # where it happened, for a bug report
+
+
+@pytest.mark.parametrize("spec", ["latest", "missing"])
+def test_bad_resume_names_the_checkpoint(spec, tmp_path):
+    """A checkpoint that is not there fails at once (before data and model load), naming where it looked."""
+    from finetune.train import main
+
+    out = tmp_path / "run"
+    wanted = spec if spec == "latest" else str(tmp_path / "checkpoints" / "step_5")
+    assert main([*FAST, "--output_dir", str(out), "--resume_from_checkpoint", wanted]) == 1
+    [error] = events(out)
+    assert error == {**error, "event": "error", "kind": "FileNotFoundError",
+                     "file": str(out / "checkpoints") if spec == "latest" else wanted}
+    assert set(error) == {"event", "time", "kind", "message", "file"}
+
+
+def test_an_output_dir_holds_a_run_once_one_started(tmp_path):
+    """Only a run that started (a start event or a checkpoint) makes --output_dir unusable for a new one."""
+    from finetune.config import parse_args
+    from finetune.parts import OutputDirInUse, check_output_dir
+
+    out = tmp_path / "run"
+    cfg = parse_args([*FAST, "--output_dir", str(out)])
+    check_output_dir(cfg)  # no folder yet
+    out.mkdir()
+    failed = json.dumps({"event": "error", "time": 1.0, "kind": "DataError", "message": "x", "file": None}) + "\n"
+    (out / "metrics.jsonl").write_text(failed + failed + '{"event": "sta')  # failed starts, and a cut line
+    check_output_dir(cfg)
+    (out / "metrics.jsonl").write_text(failed + json.dumps({"event": "start", "time": 2.0}) + "\n")
+    with pytest.raises(OutputDirInUse, match="already holds a run"):
+        check_output_dir(cfg)
+    check_output_dir(parse_args([*FAST, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]))
+
+    (out / "metrics.jsonl").unlink()
+    step = out / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    check_output_dir(cfg)  # a checkpoint folder still being written is no checkpoint
+    (step / "trainer_state.json").write_text("{}")
+    with pytest.raises(OutputDirInUse):
+        check_output_dir(cfg)
+
+
+def test_error_event_fields():
+    from finetune.config import parse_args
+    from finetune.data import DataError
+    from finetune.parts import TrainingError
+    from finetune.train import error_event
+
+    cfg = parse_args(FAST)
+    assert error_event(DataError("t.csv: row 2: bad", file="t.csv"), cfg) == {
+        "kind": "DataError", "message": "t.csv: row 2: bad", "file": "t.csv"}
+    assert error_event(TrainingError("no room", step=7), cfg) == {
+        "kind": "TrainingError", "message": "no room", "file": None, "step": 7}
+    assert error_event(KeyError("completed_steps"), cfg) == {
+        "kind": "internal", "message": "KeyError: 'completed_steps'", "file": None}
+    assert error_event(PermissionError(13, "Permission denied", "/runs/x/final"), cfg) == {
+        "kind": "internal", "message": "PermissionError: [Errno 13] Permission denied: '/runs/x/final'",
+        "file": "/runs/x/final"}
+    assert error_event(AssertionError(), cfg)["message"] == "AssertionError"

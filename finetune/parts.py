@@ -1,0 +1,201 @@
+"""The pieces the training recipe (``finetune/train.py``) puts together: the accelerator, the
+output-dir check, the data loaders, the step plan, optimizer and schedule, the profiler, stop
+requests and the final save. Each is small and does one thing; the recipe reads as their order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler, InitProcessGroupKwargs
+from torch.utils.data import DataLoader
+from transformers import DataCollatorForSeq2Seq, get_scheduler
+
+from chat.layout import FINAL, RESULTS_FILE, TRAINING_ARGS_FILE
+from finetune import checkpoint as ckpt
+from finetune.config import TrainConfig
+from finetune.data import LengthGroupedSampler, row_lengths
+from finetune.evaluate import generation_kwargs
+from finetune.hub import write_model_card
+
+log = get_logger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """A run cannot go on (out of memory, non-finite loss, bad output dir); the message says why.
+    ``file`` is the file or folder it is about and ``step`` the step it stopped at, when known."""
+
+    def __init__(self, message: str, *, file: str | None = None, step: int | None = None):
+        super().__init__(message)
+        self.file, self.step = file, step
+
+
+class OutputDirInUse(TrainingError):
+    """--output_dir holds an earlier run. Its metrics.jsonl stays that run's: no error event."""
+
+
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    handlers = []
+    launched_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and "LOCAL_RANK" in os.environ
+    if launched_deepspeed and not torch.cuda.is_available():
+        # DeepSpeed on CPU: without an explicit gloo backend accelerate counts one process.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    return Accelerator(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        log_with=cfg.report_to if cfg.with_tracking else None,  # "all" = every installed tracker
+        project_dir=cfg.output_dir,
+        kwargs_handlers=handlers,
+        # A seeded sampler makes the data order reproducible, so a resumed run sees what an
+        # uninterrupted one would have.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+
+
+def check_output_dir(cfg: TrainConfig) -> None:
+    """Refuse to start a fresh run where one already started: two runs' metrics and checkpoints
+    would mix. A folder where a run failed before its start (bad data, unknown model) holds only
+    that failure's error event, so the same command can simply run again."""
+    out = Path(cfg.output_dir)
+    if cfg.resume_from_checkpoint is None and ckpt.run_started(out):
+        raise OutputDirInUse(
+            f"{out} already holds a run; pass --resume_from_checkpoint latest to continue it, "
+            "or choose another --output_dir", file=str(out)
+        )
+
+
+def make_loaders(accelerator, data, tokenizer, cfg: TrainConfig) -> tuple[DataLoader, DataLoader]:
+    pad_multiple = 8 if accelerator.mixed_precision != "no" else None
+    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
+    # Collating hundreds of rows per step in Python would leave the GPU waiting: workers do it.
+    workers = cfg.dataloader_num_workers
+    if workers is None:
+        workers = 2 if torch.cuda.is_available() else 0
+    loader_kwargs = {"collate_fn": collator, "num_workers": workers, "pin_memory": torch.cuda.is_available()}
+    # Each loader gets its own generator: creating an iterator must not draw from the global RNG,
+    # or a resumed run (which creates it after restoring RNG states) would see different dropout.
+    if cfg.group_by_length and not cfg.pad_to_max_length:
+        group = cfg.per_device_train_batch_size * accelerator.num_processes  # one step's rows on all processes
+        order = {"sampler": LengthGroupedSampler(row_lengths(data["train"]), group, cfg.seed)}
+    else:
+        order = {"shuffle": True}
+    train_dl = DataLoader(data["train"], batch_size=cfg.per_device_train_batch_size, **order, **loader_kwargs,
+                          generator=torch.Generator().manual_seed(cfg.seed))
+    eval_dl = DataLoader(data["validation"], batch_size=cfg.per_device_eval_batch_size, **loader_kwargs,
+                         generator=torch.Generator().manual_seed(cfg.seed))
+    return train_dl, eval_dl
+
+
+def plan_steps(train_rows: int, accelerator, cfg: TrainConfig) -> tuple[int, int, int]:
+    """(steps per epoch, total steps, epochs), steps per epoch as the prepared (sharded) loader has them."""
+    batches = math.ceil(math.ceil(train_rows / cfg.per_device_train_batch_size) / accelerator.num_processes)
+    steps_per_epoch = math.ceil(batches / cfg.gradient_accumulation_steps)
+    total_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
+    return steps_per_epoch, total_steps, math.ceil(total_steps / steps_per_epoch)
+
+
+def make_optimizer(accelerator, model, cfg, total_steps: int):
+    """DeepSpeed's own optimizer/scheduler when its JSON defines them, torch/transformers otherwise."""
+    ds = accelerator.state.deepspeed_plugin
+    ds_cfg = ds.deepspeed_config if ds else {}
+    no_decay = ("bias", "layer_norm.weight", "layernorm_embedding.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
+         "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    if "optimizer" in ds_cfg:
+        optimizer = DummyOptim(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=torch.cuda.is_available())
+    # accelerate expects schedules counted in per-process steps (it divides DeepSpeed's total
+    # by the process count and steps a torch scheduler once per process), hence the scaling.
+    if "scheduler" in ds_cfg:
+        scheduler = DummyScheduler(optimizer, total_num_steps=total_steps * accelerator.num_processes,
+                                   warmup_num_steps=cfg.num_warmup_steps)
+    else:
+        scheduler = get_scheduler(
+            cfg.lr_scheduler_type, optimizer,
+            num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
+            num_training_steps=total_steps * accelerator.num_processes,
+        )
+    if ds and ds_cfg.get("gradient_clipping") == "auto":
+        ds_cfg["gradient_clipping"] = cfg.max_grad_norm
+    return optimizer, scheduler
+
+
+def start_profiler(folder: str):
+    """torch.profiler over optimizer steps 3-5; tables sorted by device and by CPU time."""
+    out = Path(folder)
+    try:  # fail now, with a clear message, not at step 5 after minutes of training
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").touch()
+        (out / ".write-test").unlink()
+    except OSError as err:
+        raise TrainingError(f"--profile_dir {folder}: cannot write there ({err.strerror or err})",
+                            file=folder) from None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def write(prof):
+        averages = prof.key_averages()
+        for key in ("cuda_time_total", "cpu_time_total"):
+            if key == "cuda_time_total" and not torch.cuda.is_available():
+                continue
+            (out / f"train_steps_by_{key}.txt").write_text(averages.table(sort_by=key, row_limit=40))
+        log.info(f"profile of steps 3-5 written to {out}")
+
+    profiler = torch.profiler.profile(activities=activities, on_trace_ready=write,
+                                      schedule=torch.profiler.schedule(wait=2, warmup=0, active=3, repeat=1))
+    profiler.start()
+    return profiler
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT or by a STOP file in the output dir; checked collectively at each
+    check point of the loop (log steps, checkpoints, and every CHECK_EVERY steps)."""
+
+    def __init__(self, output_dir: str):
+        self.file = Path(output_dir) / ckpt.STOP_FILE
+        self.signalled = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signalled = True
+
+    def __call__(self) -> bool:
+        return self.signalled or self.file.exists()
+
+
+def save_final(accelerator, model, tokenizer, cfg: TrainConfig, results: dict) -> Path:
+    """save_pretrained (safetensors, full fp32 weights even under ZeRO) + everything chat needs."""
+    state_dict = accelerator.get_state_dict(model)  # every rank: ZeRO-3 gathers shards here
+    dest = Path(cfg.output_dir) / FINAL
+    if accelerator.is_main_process:
+        tmp = Path(tempfile.mkdtemp(dir=cfg.output_dir, prefix=".final-"))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the app and a Space serve from it
+        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        gen = unwrapped.generation_config
+        for key, value in generation_kwargs(cfg).items():
+            setattr(gen, key, value)
+        gen.save_pretrained(tmp)
+        (tmp / TRAINING_ARGS_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
+        (tmp / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+        write_model_card(tmp, cfg, results, accelerator.num_processes)
+        ckpt.publish_dir(tmp, dest)
+    accelerator.wait_for_everyone()
+    return dest
