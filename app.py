@@ -2,7 +2,7 @@
 
 Tabs: **Chat** (webui/chat_tab.py: talk to the served checkpoint as a persona / emotion / task
 goal / topic / no context, pick the served model) and **Train** (webui/train_tab.py: start,
-watch, stop, resume and push runs of finetune.runner). Public API:
+watch, stop, resume and push runs of finetune.jobs). Public API:
 ``Client(url).predict(message, kind, context, api_name="/chat")`` (README, "API"). Every other
 endpoint is private, and those that change something check the login themselves (webui/auth.py).
 
@@ -17,7 +17,7 @@ import time
 import gradio as gr
 
 from chat.engine import ChatEngine
-from finetune.runner import MAX_UPLOAD_BYTES
+from finetune.jobs.uploads import MAX_UPLOAD_BYTES
 from webui import auth, chat_handlers, chat_tab, train_handlers, train_tab
 
 log = logging.getLogger("app")

@@ -29,7 +29,7 @@ from chat.engine import (
 )
 from chat.layout import DEFAULT_MODEL, DEMO_DIR, RESULTS_FILE, ROOT, is_hub_id, list_finals
 from chat.prompt import EMOTIONS, KINDS
-from finetune.runner import runs_root
+from finetune.jobs.paths import runs_root
 
 log = logging.getLogger(__name__)
 

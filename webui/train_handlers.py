@@ -1,15 +1,19 @@
 """What the app's Train tab does, as plain functions (``app.py`` wires them to gradio).
 
-The tab is a view on ``finetune.runner.RunManager``: the form becomes a ``RunSpec``, the buttons
+The tab is a view on ``finetune.jobs.manager.RunManager``: the form becomes a
+``finetune.jobs.spec.JobSpec`` (the CLI's own TrainConfig plus how to launch it), the buttons
 call start / stop / resume / push, and a timer redraws the latest run from its directory. So a
 page reload, a second viewer or a restarted app shows the same run; nothing about a run lives
 in the browser.
 
+The form's inputs are named after TrainConfig's fields and JobSpec's launch fields
+(``FORM_FIELDS``); the handlers receive them as a dict by those names.
+
 Every action that changes something (start, stop, resume, upload, push) first calls
 ``webui.auth.require``; the refusal is a ``gr.Error`` with a message meant for the user, and so is
 every bad input. Uploads are size-checked and validated before they are copied into the data
-root (an allowed root of the runner), and the copy's path stays in server-side session state: no
-path typed or sent by a browser reaches a run unchecked.
+root (an allowed root of finetune.jobs), and the copy's path stays in server-side session state:
+no path typed or sent by a browser reaches a run unchecked.
 """
 
 from __future__ import annotations
@@ -20,17 +24,22 @@ import math
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
-from webui.auth import AuthConfig, AuthError, Session, require
 from chat.layout import DEFAULT_MODEL
-from finetune import runner
-from finetune.runner import RunBusyError, RunManager, RunSpec, RunStatus
+from finetune.config import DEFAULT_DATASET
+from finetune.jobs import paths
+from finetune.jobs.command import detect_gpus
+from finetune.jobs.manager import RunBusyError, RunManager
+from finetune.jobs.spec import JobSpec, app_config, make_config
+from finetune.jobs.status import RunStatus
+from finetune.jobs.uploads import validate_upload
+from webui.auth import AuthConfig, AuthError, Session, require
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +50,18 @@ UPLOAD_TYPES = (".jsonl", ".json", ".csv", ".parquet")  # finetune.data.LOADERS
 STRATEGY_CHOICES = [("DeepSpeed ZeRO-2", "zero2"), ("ZeRO-3 + CPU offload", "zero3_offload"), ("DDP", "ddp")]
 PRECISION_CHOICES = [("auto (bf16 if the GPU has it, else fp16)", "auto"), ("bf16", "bf16"), ("fp16", "fp16"),
                      ("fp32", "fp32")]
-# Learning rates that work: the tiny model learns the sample fast; the 400M model needs small steps.
-LEARNING_RATES = {"tiny": 1e-3}
-LARGE_MODEL_LR = 5e-5
 
-# The form's inputs, in the order app.py passes them to every handler that reads the form.
-FORM_FIELDS = ("model", "data_source", "hub_dataset", "n_train", "n_val", "epochs", "learning_rate",
-               "train_batch_size", "eval_batch_size", "max_source_length", "max_target_length", "source_prefix",
-               "strategy", "precision", "num_gpus", "checkpointing_steps", "logging_steps", "num_beams",
-               "push_to_hub", "hub_model_id", "hub_private")
+# The form's inputs: TrainConfig's and JobSpec's names, plus where the data comes from. The one
+# list of them: the tab passes its components to the handlers by these names, and API clients
+# send the values in this order.
+DATA_FIELDS = ("data_source", "hub_dataset")
+FORM_FIELDS = ("model_name_or_path", *DATA_FIELDS, "n_train", "n_val", "num_train_epochs", "learning_rate",
+               "per_device_train_batch_size", "per_device_eval_batch_size", "max_source_length", "max_target_length",
+               "source_prefix", "strategy", "precision", "num_gpus", "checkpointing_steps", "logging_steps",
+               "num_beams", "push_to_hub", "hub_model_id", "hub_private")
+LAUNCH_FIELDS = tuple(f.name for f in fields(JobSpec) if f.name in FORM_FIELDS)
+# Numbers where the form's 0 (or empty) means the CLI's None: all rows, a checkpoint each epoch.
+ZERO_IS_NONE = ("n_train", "n_val", "checkpointing_steps")
 
 
 @dataclass
@@ -59,13 +71,12 @@ class TrainTab:
     manager: RunManager
     auth: AuthConfig
     gpus: int = 0  # detected at start-up; 0 = CPU only
-    data_root: Path = field(default_factory=runner.data_root)  # validated uploads are copied here
+    data_root: Path = field(default_factory=paths.data_root)  # validated uploads are copied here
     incoming: Path | None = None  # where gradio puts uploaded files (None: gradio's upload folder)
 
     @classmethod
     def create(cls, auth: AuthConfig | None = None, runs_root: Path | str | None = None) -> TrainTab:
-        return cls(manager=RunManager(Path(runs_root) if runs_root is not None else runner.runs_root()),
-                   auth=auth or AuthConfig.from_env(), gpus=runner.detect_gpus())
+        return cls(manager=RunManager(runs_root), auth=auth or AuthConfig.from_env(), gpus=detect_gpus())
 
     def incoming_root(self) -> Path:
         if self.incoming is not None:
@@ -89,14 +100,14 @@ class Uploads:
 
 @contextlib.contextmanager
 def explained(action: str):
-    """Turn the runner's and the auth module's refusals into a ``gr.Error`` for the user."""
+    """Turn the run manager's and the auth module's refusals into a ``gr.Error`` for the user."""
     try:
         yield
     except gr.Error:
         raise
     except (AuthError, RunBusyError, ValueError) as err:  # ValueError includes DataError
         raise gr.Error(str(err), title=f"Cannot {action}", print_exception=False) from None
-    except Exception as err:  # e.g. HubError: the app keeps serving, the user gets the reason
+    except Exception as err:  # noqa: BLE001 - e.g. HubError: the app keeps serving, the user gets the reason
         log.warning("%s failed: %s", action, err)
         raise gr.Error(f"{type(err).__name__}: {err}", title=f"Cannot {action}", print_exception=False) from None
 
@@ -118,79 +129,82 @@ def base_model_choices(tab: TrainTab) -> list[tuple[str, str]]:
     """Base models for a run: the tiny preset, the 400M model, and every finished run."""
     choices = [("tiny (a small BlenderBot built from the sample; CPU-friendly)", "tiny"),
                (f"{DEFAULT_MODEL} (400M)", DEFAULT_MODEL)]
-    choices += [(f"continue from run {label}", path) for label, path in tab.manager.finished_checkpoints()]
+    choices += [(f"continue from run {label}", path) for label, path in tab.manager.finished_runs()]
     return choices
 
 
 def default_form(tab: TrainTab) -> dict:
-    """The form's starting values: RunSpec's defaults, the 400M model when there is a GPU."""
-    spec = {f.name: f.default for f in fields(RunSpec)}
+    """The form's starting values, by FORM_FIELDS name: the app's preset for the base model (the
+    400M model when there is a GPU, else tiny) on the sample, JobSpec's launch defaults, every GPU."""
     model = DEFAULT_MODEL if tab.gpus else "tiny"
-    return {**spec, "model": model, "data_source": "sample", "hub_dataset": "smangrul/MuDoConv",
-            "n_train": None, "n_val": None, "learning_rate": learning_rate_for(model), "num_gpus": tab.gpus,
-            "precision": "auto", "strategy": "zero2", "hub_model_id": ""}
+    config = app_config(model, dataset_name="sample")
+    values = {name: getattr(config, name) for name in FORM_FIELDS if hasattr(config, name)}
+    launch = {f.name: f.default for f in fields(JobSpec) if f.name in LAUNCH_FIELDS}
+    return {**values, **launch, "num_gpus": tab.gpus, "data_source": "sample", "hub_dataset": DEFAULT_DATASET,
+            "hub_model_id": config.hub_model_id or ""}
 
 
 def learning_rate_for(model: str | None) -> float:
-    return LEARNING_RATES.get(model or "", LARGE_MODEL_LR)
+    """The preset's learning rate for a base model (the form follows the Base model choice)."""
+    return app_config(model or "").learning_rate
 
 
-def form_values(values: Sequence) -> dict:
-    """The handlers' form arguments (in FORM_FIELDS order) as a dict."""
-    if len(values) != len(FORM_FIELDS):
-        raise ValueError(f"the form has {len(FORM_FIELDS)} fields, got {len(values)} values")
-    return dict(zip(FORM_FIELDS, values))
-
-
-def _count(value):
-    """n_train / n_val: empty or 0 means all rows."""
-    return None if value in (None, "", 0) else value
-
-
-def spec_from_form(tab: TrainTab, values: dict, uploads: Uploads | None) -> RunSpec:
-    """The run the form describes (``ValueError`` with a clear message otherwise)."""
-    source = values.get("data_source")
-    validation = None
+def _data(values: Mapping, uploads: Uploads | None) -> tuple[dict, str | None]:
+    """(the TrainConfig data fields, an upload to split) of the form's data choice."""
+    source = values["data_source"]
     if source == "sample":
-        dataset = "sample"
-    elif source == "hub":
-        dataset = (values.get("hub_dataset") or "").strip()
+        return {"dataset_name": "sample"}, None
+    if source == "hub":
+        dataset = (values["hub_dataset"] or "").strip()
         if not dataset:
             raise ValueError("type a Hub dataset id (e.g. smangrul/MuDoConv) or pick another data source")
-        if dataset != "sample" and runner.local_path(dataset, "Hub dataset") is not None:
+        if dataset != "sample" and paths.local_path(dataset, "Hub dataset") is not None:
             raise ValueError(f"Hub dataset {dataset!r} is a local path; upload the file instead")
-    elif source == "upload":
+        return {"dataset_name": dataset}, None
+    if source == "upload":
         if uploads is None or not uploads.train:
             raise ValueError("upload a training file first (jsonl, json, csv or parquet), or pick another data source")
-        dataset, validation = uploads.train, uploads.validation
-    else:
-        raise ValueError(f"data source must be one of {', '.join(v for _, v in DATA_SOURCES)}, got {source!r}")
+        if uploads.validation is None:  # the run holds out the train file's last rows
+            return {}, uploads.train
+        return {"train_file": uploads.train, "validation_file": uploads.validation}, None
+    raise ValueError(f"data source must be one of {', '.join(v for _, v in DATA_SOURCES)}, got {source!r}")
 
-    spec = RunSpec(
-        model=values.get("model"), dataset=dataset, validation_file=validation,
-        n_train=_count(values.get("n_train")), n_val=_count(values.get("n_val")),
-        epochs=values.get("epochs"), learning_rate=values.get("learning_rate"),
-        train_batch_size=values.get("train_batch_size"), eval_batch_size=values.get("eval_batch_size"),
-        max_source_length=values.get("max_source_length"), max_target_length=values.get("max_target_length"),
-        source_prefix=values.get("source_prefix") if values.get("source_prefix") is not None else "",
-        strategy=values.get("strategy"), precision=values.get("precision"), num_gpus=values.get("num_gpus") or 0,
-        checkpointing_steps=_count(values.get("checkpointing_steps")), logging_steps=values.get("logging_steps"),
-        num_beams=values.get("num_beams"), push_to_hub=bool(values.get("push_to_hub")),
-        hub_model_id=values.get("hub_model_id") or None, hub_private=bool(values.get("hub_private")),
-    )
+
+def spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> JobSpec:
+    """The run the form describes (``values``: FORM_FIELDS name -> value); ``ValueError`` with a
+    clear message otherwise. Settings the form does not show keep the CLI's defaults."""
+    if set(values) != set(FORM_FIELDS):
+        missing, unknown = sorted(set(FORM_FIELDS) - set(values)), sorted(set(values) - set(FORM_FIELDS))
+        raise ValueError(f"the form's fields are {', '.join(FORM_FIELDS)}; missing: {', '.join(missing) or '-'}, "
+                         f"unknown: {', '.join(unknown) or '-'}")
+    data, split_train_file = _data(values, uploads)
+    settings = {name: value for name, value in values.items() if name not in (*DATA_FIELDS, *LAUNCH_FIELDS)}
+    settings.update({name: None for name in ZERO_IS_NONE if settings[name] in (None, "", 0)})
+    spec = JobSpec(make_config(**settings, **data), split_train_file=split_train_file,
+                   **{name: values[name] for name in LAUNCH_FIELDS})
+    model = spec.config.model_name_or_path
     if spec.num_gpus > tab.gpus:
         raise ValueError(f"{spec.num_gpus} GPU(s) asked for, {tab.gpus} visible on this machine")
-    if spec.num_gpus == 0 and spec.model not in ("tiny",) and not Path(spec.model).is_absolute():
+    if spec.num_gpus == 0 and model != "tiny" and not Path(model).is_absolute():
         # the 400M model on a (shared, 2-core) CPU would take hours and starve the chat
-        raise ValueError(f"training {spec.model} needs a GPU (on a Space: GPU hardware). On the CPU only the "
+        raise ValueError(f"training {model} needs a GPU (on a Space: GPU hardware). On the CPU only the "
                          "`tiny` model, or continuing a finished run, is allowed here; the README's CLI runs any.")
     return spec
 
 
-def show_command(tab: TrainTab, uploads: Uploads | None, values: Sequence) -> str:
+def form_inputs(components: Mapping) -> dict:
+    """The form's components by FORM_FIELDS name and in its order (gradio's ``inputs_kwargs``);
+    a missing or unknown name is a bug in the tab."""
+    if set(components) != set(FORM_FIELDS):
+        raise ValueError(f"the form's components must be named {', '.join(FORM_FIELDS)}; "
+                         f"got {', '.join(components)}")
+    return {name: components[name] for name in FORM_FIELDS}
+
+
+def show_command(tab: TrainTab, uploads: Uploads | None, values: Mapping) -> str:
     """The exact command Start would run (with a placeholder for the new run's folder)."""
     with explained("show the command"):
-        spec = spec_from_form(tab, form_values(values), uploads)
+        spec = spec_from_form(tab, values, uploads)
         return ("# run from the repository root; the app runs this argument list without a shell\n"
                 + tab.manager.command_preview(spec))
 
@@ -199,8 +213,8 @@ def show_command(tab: TrainTab, uploads: Uploads | None, values: Sequence) -> st
 
 
 def preview_markdown(name: str, rows: int, preview: list[str]) -> str:
-    lines = [f"✅ **{name}**: {rows} rows, valid. The encoder input of the first rows, exactly as the model "
-             "reads it (before long dialogues are shortened to fit):"]
+    lines = [(f"✅ **{name}**: {rows} rows, valid. The encoder input of the first rows, exactly as the model "
+              "reads it (before long dialogues are shortened to fit):")]
     lines += [f"\n```text\n{text}\n```" for text in preview]
     return "\n".join(lines)
 
@@ -227,7 +241,7 @@ def accept_upload(tab: TrainTab, session: Session | None, profile, uploads: Uplo
         suffix = incoming.suffix.lower()
         if suffix not in UPLOAD_TYPES:
             raise ValueError(f"{incoming.name}: unsupported file type (use {', '.join(UPLOAD_TYPES)})")
-        checked = runner.validate_upload(incoming, source_prefix or "")  # size first, then every row
+        checked = validate_upload(incoming, source_prefix or "")  # size first, then every row
         folder = tab.data_root / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         folder.mkdir(parents=True, exist_ok=False)
         copy = folder / f"{which}{suffix}"
@@ -241,10 +255,10 @@ def accept_upload(tab: TrainTab, session: Session | None, profile, uploads: Uplo
 # --------------------------------------------------------------------------- actions
 
 
-def start_run(tab: TrainTab, session: Session | None, profile, uploads: Uploads | None, values: Sequence) -> str:
+def start_run(tab: TrainTab, session: Session | None, profile, uploads: Uploads | None, values: Mapping) -> str:
     with explained("start a run"):
         user = require(tab.auth, session, profile, "start a training run")
-        spec = spec_from_form(tab, form_values(values), uploads)
+        spec = spec_from_form(tab, values, uploads)
         status = tab.manager.start(spec)
         log.info("run %s started (%s)", status.run_id, user)
         gr.Info(f"Run {status.run_id} started")
@@ -295,7 +309,7 @@ def push_run(tab: TrainTab, session: Session | None, profile, repo_id: str | Non
 def format_duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "?"
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     if seconds < 60:
         return f"{seconds} s"
     minutes, seconds = divmod(seconds, 60)
@@ -306,7 +320,7 @@ def format_duration(seconds: float | None) -> str:
 
 
 def progress_bar(fraction: float, width: int = 20) -> str:
-    filled = int(round(max(0.0, min(1.0, fraction)) * width))
+    filled = round(max(0.0, min(1.0, fraction)) * width)
     return "█" * filled + "░" * (width - filled)
 
 
@@ -374,7 +388,7 @@ def live_view(tab: TrainTab, cache: dict | None, model_updates: Sequence[Callabl
     status = tab.manager.status()
     values = {"run": run_markdown(status), "loss": loss_frame(status), "bleu": bleu_frame(status),
               "samples": samples_frame(status), "log": status.log_tail,
-              "finals": tuple(path for _, path in tab.manager.finished_checkpoints())}
+              "finals": tuple(path for _, path in tab.manager.finished_runs())}
     cache = dict(cache or {})
     changed = {}
     for key, value in values.items():

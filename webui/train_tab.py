@@ -1,7 +1,9 @@
 """The Train tab: log in, describe a run, start / stop / resume / push it, and watch it live.
 
 Layout and wiring only; what the controls do is in ``webui.train_handlers`` (each handler
-checks the login itself) and the runs themselves are ``finetune.runner``'s.
+checks the login itself) and the runs themselves are ``finetune.jobs``'s. The form's components
+are named after the training settings they set (``train_handlers.FORM_FIELDS``) and reach the
+handlers by those names, so the layout is free to arrange them.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ def build(train: TrainTab, session: gr.State) -> TrainParts:
         gr.LoginButton()
     gr.Markdown(handlers.hardware_note(train.gpus))
 
-    form = {}
+    form = {}  # FORM_FIELDS name -> component
     with gr.Accordion("New run", open=True):
         with gr.Row():
-            form["model"] = gr.Dropdown(handlers.base_model_choices(train), value=defaults["model"], allow_custom_value=True,
-                                        label="Base model", scale=2, elem_id="train-model",
-                                        info="A preset, a Hub model id, or a finished run to continue from.")
+            form["model_name_or_path"] = gr.Dropdown(
+                handlers.base_model_choices(train), value=defaults["model_name_or_path"], allow_custom_value=True,
+                label="Base model", scale=2, elem_id="train-model",
+                info="A preset, a Hub model id, or a finished run to continue from.")
             form["data_source"] = gr.Radio(handlers.DATA_SOURCES, value=defaults["data_source"], label="Data",
                                            elem_id="train-data")
             form["hub_dataset"] = gr.Textbox(defaults["hub_dataset"], label="Hub dataset id", max_length=200,
@@ -70,18 +73,19 @@ def build(train: TrainTab, session: gr.State) -> TrainParts:
                                file_types=list(handlers.UPLOAD_TYPES))
         preview = gr.Markdown()
         with gr.Row():
-            form["n_train"] = gr.Number(None, precision=0, minimum=0, label="Train rows (0 = all)",
+            form["n_train"] = gr.Number(defaults["n_train"], precision=0, minimum=0, label="Train rows (0 = all)",
                                         elem_id="train-n-train")
-            form["n_val"] = gr.Number(None, precision=0, minimum=0, label="Validation rows (0 = all)",
+            form["n_val"] = gr.Number(defaults["n_val"], precision=0, minimum=0, label="Validation rows (0 = all)",
                                       elem_id="train-n-val")
-            form["epochs"] = gr.Number(defaults["epochs"], precision=0, minimum=1, label="Epochs",
-                                       elem_id="train-epochs")
+            form["num_train_epochs"] = gr.Number(defaults["num_train_epochs"], precision=0, minimum=1,
+                                                 label="Epochs", elem_id="train-epochs")
             form["learning_rate"] = gr.Number(defaults["learning_rate"], minimum=0, label="Learning rate")
         with gr.Row():
-            form["train_batch_size"] = gr.Number(defaults["train_batch_size"], precision=0, minimum=1,
-                                                 label="Train batch (per device)", elem_id="train-batch")
-            form["eval_batch_size"] = gr.Number(defaults["eval_batch_size"], precision=0, minimum=1,
-                                                label="Eval batch (per device)")
+            form["per_device_train_batch_size"] = gr.Number(
+                defaults["per_device_train_batch_size"], precision=0, minimum=1, label="Train batch (per device)",
+                elem_id="train-batch")
+            form["per_device_eval_batch_size"] = gr.Number(
+                defaults["per_device_eval_batch_size"], precision=0, minimum=1, label="Eval batch (per device)")
             form["max_source_length"] = gr.Number(defaults["max_source_length"], precision=0, minimum=1,
                                                   label="Max source tokens")
             form["max_target_length"] = gr.Number(defaults["max_target_length"], precision=0, minimum=1,
@@ -93,23 +97,23 @@ def build(train: TrainTab, session: gr.State) -> TrainParts:
             form["precision"] = gr.Radio(handlers.PRECISION_CHOICES, value=defaults["precision"], label="Precision",
                                          info="GPU only; the CPU trains in fp32")
             if train.gpus:
-                form["num_gpus"] = gr.Slider(0, train.gpus, value=train.gpus, step=1, label="GPUs (0: CPU)")
+                form["num_gpus"] = gr.Slider(0, train.gpus, value=defaults["num_gpus"], step=1, label="GPUs (0: CPU)")
             else:
-                form["num_gpus"] = gr.Number(0, precision=0, interactive=False, label="GPUs",
+                form["num_gpus"] = gr.Number(defaults["num_gpus"], precision=0, interactive=False, label="GPUs",
                                              info="none detected: the CPU")
         with gr.Row():
-            form["checkpointing_steps"] = gr.Number(None, precision=0, minimum=0,
+            form["checkpointing_steps"] = gr.Number(defaults["checkpointing_steps"], precision=0, minimum=0,
                                                     label="Checkpoint every N steps (0 = each epoch)")
             form["logging_steps"] = gr.Number(defaults["logging_steps"], precision=0, minimum=1,
                                               label="Log loss every N steps", elem_id="train-logging")
             form["num_beams"] = gr.Number(defaults["num_beams"], precision=0, minimum=1, label="Eval beams",
                                           elem_id="train-beams")
         with gr.Row():
-            form["push_to_hub"] = gr.Checkbox(False, label="Push to the Hub when done")
-            form["hub_model_id"] = gr.Textbox(label="Hub repo id", placeholder="user/my-chat-e", max_length=200)
-            form["hub_private"] = gr.Checkbox(False, label="Private repo")
-    assert tuple(form) == handlers.FORM_FIELDS
-    inputs = [form[name] for name in handlers.FORM_FIELDS]
+            form["push_to_hub"] = gr.Checkbox(defaults["push_to_hub"], label="Push to the Hub when done")
+            form["hub_model_id"] = gr.Textbox(defaults["hub_model_id"], label="Hub repo id",
+                                              placeholder="user/my-chat-e", max_length=200)
+            form["hub_private"] = gr.Checkbox(defaults["hub_private"], label="Private repo")
+    form_inputs = handlers.form_inputs(form)  # passed by name (inputs_kwargs), in FORM_FIELDS order for API clients
 
     with gr.Row():
         start = gr.Button("Start", variant="primary", elem_id="train-start")
@@ -152,8 +156,11 @@ def build(train: TrainTab, session: gr.State) -> TrainParts:
             return handlers.accept_upload(train, state, profile, current, which, file, prefix)
         return handler
 
-    def do_start(state: auth.Session, profile: gr.OAuthProfile | None, current, *values):
+    def do_start(state: auth.Session, profile: gr.OAuthProfile | None, current, **values):
         return handlers.start_run(train, state, profile, current, values)
+
+    def do_show(current, **values):
+        return handlers.show_command(train, current, values)
 
     def do_stop(state: auth.Session, profile: gr.OAuthProfile | None):
         return handlers.stop_run(train, state, profile)
@@ -174,17 +181,18 @@ def build(train: TrainTab, session: gr.State) -> TrainParts:
             trigger(upload(which), [session, uploads, file, form["source_prefix"]], [uploads, preview],
                     api_name=f"train_upload_{which}", **one_at_a_time, **PRIVATE)
     actions = [
-        start.click(do_start, [session, uploads, *inputs], action, api_name="train_start", **one_at_a_time, **PRIVATE),
+        start.click(do_start, [session, uploads], action, inputs_kwargs=form_inputs, api_name="train_start",
+                    **one_at_a_time, **PRIVATE),
         stop.click(do_stop, session, action, api_name="train_stop", **one_at_a_time, **PRIVATE),
         resume.click(do_resume, session, action, api_name="train_resume", **one_at_a_time, **PRIVATE),
         push.click(do_push, [session, push_repo, push_private], action, api_name="train_push", **one_at_a_time,
                    **PRIVATE),
     ]
-    show.click(lambda current, *values: handlers.show_command(train, current, values), [uploads, *inputs], command,
-               api_name="train_command", queue=False, **PRIVATE)
+    show.click(do_show, uploads, command, inputs_kwargs=form_inputs, api_name="train_command", queue=False, **PRIVATE)
     form["data_source"].change(lambda source: (gr.update(visible=source == "hub"),
                                                gr.update(visible=source == "upload")),
                                form["data_source"], [form["hub_dataset"], upload_row], queue=False, **PRIVATE)
-    form["model"].input(handlers.learning_rate_for, form["model"], form["learning_rate"], queue=False, **PRIVATE)
+    form["model_name_or_path"].input(handlers.learning_rate_for, form["model_name_or_path"], form["learning_rate"],
+                                     queue=False, **PRIVATE)
     return TrainParts(auth=auth_md, cache=cache, timer=timer, actions=actions,
-                      live=[run, loss, bleu, samples, log_tail, form["model"]])
+                      live=[run, loss, bleu, samples, log_tail, form["model_name_or_path"]])

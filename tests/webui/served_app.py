@@ -4,19 +4,13 @@ client session that can call its private endpoints."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 from gradio_client import Client
 
 from chat.engine import DEMO_DIR, ChatEngine, load_checkpoint
+from finetune.jobs.command import free_port
 from webui import auth, train_handlers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class App:

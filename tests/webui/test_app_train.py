@@ -20,7 +20,7 @@ from served_app import App, Caller
 
 from chat.engine import DEMO_DIR
 from chat.layout import SAMPLE_DIR
-from finetune.runner import MAX_UPLOAD_BYTES
+from finetune.jobs.uploads import MAX_UPLOAD_BYTES
 from webui import auth, chat_handlers, train_handlers
 
 PASSWORD = "s3cret-for-tests"
@@ -44,8 +44,11 @@ def open_app(tmp_path_factory):
 
 
 def run_form(tab, **changes) -> list:
-    values = {**train_handlers.default_form(tab), "n_train": 96, "n_val": 8, "epochs": 1, "train_batch_size": 8,
-              "eval_batch_size": 8, "num_beams": 1, "logging_steps": 1, **changes}
+    """The form's values in FORM_FIELDS order: how an API client sends them."""
+    values = {**train_handlers.default_form(tab), "n_train": 96, "n_val": 8, "num_train_epochs": 1,
+              "per_device_train_batch_size": 8, "per_device_eval_batch_size": 8, "num_beams": 1, "logging_steps": 1,
+              **changes}
+    assert set(values) == set(train_handlers.FORM_FIELDS)
     return [values[name] for name in train_handlers.FORM_FIELDS]
 
 

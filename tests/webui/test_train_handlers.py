@@ -1,9 +1,10 @@
-"""The Train tab's logic and the login rules (chat/train_handlers.py, webui/auth.py), without a browser.
+"""The Train tab's logic and the login rules (webui/train_handlers.py, webui/auth.py), without a browser.
 
 Real RunManager, real files; runs that would launch are refused before launching (no login) or
-are the fake-process kind of tests/test_runner.py. Real training through the app is in
-tests/test_app_train.py and tests/test_browser.py."""
+are the fake-process kind of tests/finetune/test_jobs_process.py. Real training through the app is in
+tests/webui/test_app_train.py and tests/webui/test_browser.py."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,8 +16,12 @@ import pytest
 
 from chat.engine import DEFAULT_MODEL
 from finetune import checkpoint as ckpt
-from finetune import runner
-from finetune.runner import RunManager, RunSpec, RunStatus
+from finetune.config import TrainConfig
+from finetune.jobs import paths
+from finetune.jobs import uploads as jobs_uploads
+from finetune.jobs.manager import RunManager
+from finetune.jobs.spec import JobSpec, app_config
+from finetune.jobs.status import RunStatus
 from webui import auth, train_handlers
 from webui.auth import AuthConfig, AuthError, Session
 
@@ -49,9 +54,11 @@ def logged_in() -> Session:
     return Session(password_ok=True)
 
 
-def form(tab, **changes) -> list:
+def form(tab, **changes) -> dict:
+    """The form's values (FORM_FIELDS name -> value), as the tab hands them to a handler."""
     values = {**train_handlers.default_form(tab), **changes}
-    return [values[name] for name in train_handlers.FORM_FIELDS]
+    assert set(values) == set(train_handlers.FORM_FIELDS)
+    return values
 
 
 def write_rows(path: Path, n: int) -> Path:
@@ -136,25 +143,35 @@ def test_auth_status_markdown():
 
 def test_default_form_is_a_valid_tiny_cpu_run(tab):
     values = train_handlers.default_form(tab)
-    assert values["model"] == "tiny" and values["num_gpus"] == 0 and values["learning_rate"] == 1e-3
-    spec = train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab)), None)
-    assert spec == RunSpec(model="tiny", dataset="sample")
+    assert set(values) == set(train_handlers.FORM_FIELDS)
+    assert values["model_name_or_path"] == "tiny" and values["num_gpus"] == 0 and values["learning_rate"] == 1e-3
+    assert (values["num_train_epochs"], values["per_device_train_batch_size"], values["per_device_eval_batch_size"],
+            values["num_beams"], values["logging_steps"]) == (3, 16, 32, 4, 10)  # the app's preset
+    spec = train_handlers.spec_from_form(tab, form(tab), None)
+    assert spec == JobSpec(app_config("tiny", dataset_name="sample"))
     gpu_tab = train_handlers.TrainTab(manager=tab.manager, auth=tab.auth, gpus=2)
-    assert train_handlers.default_form(gpu_tab)["model"] == DEFAULT_MODEL
-    assert train_handlers.default_form(gpu_tab)["learning_rate"] == train_handlers.LARGE_MODEL_LR
+    assert train_handlers.default_form(gpu_tab)["model_name_or_path"] == DEFAULT_MODEL
+    assert train_handlers.default_form(gpu_tab)["learning_rate"] == TrainConfig().learning_rate == 5e-5
+    assert train_handlers.default_form(gpu_tab)["num_gpus"] == 2
+    assert train_handlers.learning_rate_for("tiny") == 1e-3 and train_handlers.learning_rate_for(DEFAULT_MODEL) == 5e-5
 
 
 def test_spec_from_form_maps_every_field(tab):
-    values = train_handlers.form_values(form(
-        tab, data_source="hub", hub_dataset="smangrul/MuDoConv", n_train=100.0, n_val=0, epochs=2.0,
-        learning_rate=3e-4, train_batch_size=4, eval_batch_size=8, max_source_length=64, max_target_length=16,
-        source_prefix="", checkpointing_steps=5, logging_steps=2, num_beams=1, push_to_hub=True,
-        hub_model_id=" me/chat ", hub_private=True))
+    values = form(
+        tab, data_source="hub", hub_dataset="smangrul/MuDoConv", n_train=100.0, n_val=0, num_train_epochs=2.0,
+        learning_rate=3e-4, per_device_train_batch_size=4, per_device_eval_batch_size=8, max_source_length=64,
+        max_target_length=16, source_prefix="", checkpointing_steps=5, logging_steps=2, num_beams=1,
+        push_to_hub=True, hub_model_id=" me/chat ", hub_private=True)
     spec = train_handlers.spec_from_form(tab, values, None)
-    assert spec == RunSpec(model="tiny", dataset="smangrul/MuDoConv", n_train=100, n_val=None, epochs=2,
-                           learning_rate=3e-4, train_batch_size=4, eval_batch_size=8, max_source_length=64,
-                           max_target_length=16, source_prefix="", checkpointing_steps=5, logging_steps=2,
-                           num_beams=1, push_to_hub=True, hub_model_id="me/chat", hub_private=True)
+    config = TrainConfig(model_name_or_path="tiny", dataset_name="smangrul/MuDoConv", n_train=100, n_val=None,
+                         num_train_epochs=2, learning_rate=3e-4, per_device_train_batch_size=4,
+                         per_device_eval_batch_size=8, max_source_length=64, max_target_length=16,
+                         val_min_target_length=16, source_prefix="", checkpointing_steps=5, logging_steps=2,
+                         num_beams=1, push_to_hub=True, hub_model_id="me/chat", hub_private=True)
+    assert spec == JobSpec(config, strategy="zero2", precision="auto", num_gpus=0)
+    # every form field is a TrainConfig or JobSpec field, or says where the data comes from
+    names = {f.name for f in dataclasses.fields(TrainConfig)} | {f.name for f in dataclasses.fields(JobSpec)}
+    assert set(train_handlers.FORM_FIELDS) - names == set(train_handlers.DATA_FIELDS)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -163,36 +180,43 @@ def test_spec_from_form_maps_every_field(tab):
     ({"data_source": "hub", "hub_dataset": " "}, "type a Hub dataset id"),
     ({"data_source": "hub", "hub_dataset": "/etc/passwd"}, "outside the allowed folders"),
     ({"data_source": "hub", "hub_dataset": "../../etc"}, "outside the allowed folders"),
-    ({"model": "/etc"}, "outside the allowed folders"),
-    ({"model": ""}, "model is required"),
-    ({"model": DEFAULT_MODEL}, "needs a GPU .* only the `tiny` model"),
-    ({"model": "random-400M"}, "needs a GPU"),
+    ({"model_name_or_path": "/etc"}, "outside the allowed folders"),
+    ({"model_name_or_path": ""}, "model is required"),
+    ({"model_name_or_path": DEFAULT_MODEL}, "needs a GPU .* only the `tiny` model"),
+    ({"model_name_or_path": "random-400M"}, "needs a GPU"),
     ({"num_gpus": 1}, r"1 GPU\(s\) asked for, 0 visible"),
     ({"strategy": "ddp"}, "needs GPUs"),
     ({"precision": "fp16"}, "needs GPUs"),
-    ({"epochs": 0}, "epochs must be >= 1"),
-    ({"epochs": 1.5}, "whole number"),
-    ({"learning_rate": None}, "learning_rate must be a number"),
-    ({"push_to_hub": True}, "push to Hub needs a Hub model id"),
+    ({"num_train_epochs": 0}, "num_train_epochs must be >= 1"),
+    ({"num_train_epochs": 1.5}, "whole number"),
+    ({"learning_rate": None}, "learning_rate is required"),
+    ({"push_to_hub": True}, "push_to_hub needs --hub_model_id"),
     ({"hub_model_id": "not a repo"}, "user/name"),
 ])
 def test_spec_from_form_refuses_with_a_clear_message(tab, changes, message):
     with pytest.raises(ValueError, match=message):
-        train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab, **changes)), None)
+        train_handlers.spec_from_form(tab, form(tab, **changes), None)
 
 
-def test_form_values_needs_every_field():
-    with pytest.raises(ValueError, match="the form has"):
-        train_handlers.form_values([1, 2])
+def test_the_form_needs_every_field_and_no_other(tab):
+    values = form(tab)
+    with pytest.raises(ValueError, match="missing: num_beams, unknown: -"):
+        train_handlers.spec_from_form(tab, {k: v for k, v in values.items() if k != "num_beams"}, None)
+    with pytest.raises(ValueError, match="missing: -, unknown: seed"):
+        train_handlers.spec_from_form(tab, {**values, "seed": 1}, None)
+    with pytest.raises(ValueError, match="components must be named"):
+        train_handlers.form_inputs({"model_name_or_path": object()})
+    reordered = dict(reversed(list(values.items())))
+    assert list(train_handlers.form_inputs(reordered)) == list(train_handlers.FORM_FIELDS)
 
 
-def test_show_command_is_the_runners_command_and_needs_no_login(tab):
-    values = form(tab, n_train=50, epochs=1)
+def test_show_command_is_the_run_managers_command_and_needs_no_login(tab):
+    values = form(tab, n_train=50, num_train_epochs=1)
     shown = train_handlers.show_command(tab, None, values)
-    spec = train_handlers.spec_from_form(tab, train_handlers.form_values(values), None)
+    spec = train_handlers.spec_from_form(tab, values, None)
     expected = tab.manager.command_preview(spec)
     port = "--main_process_port"
-    strip = lambda text: [w for w in text.split() if not w.isdigit()]  # noqa: E731 - the port is fresh each time
+    strip = lambda text: [w for w in text.split() if not w.isdigit()]  # the port is fresh each time
     assert strip(shown.splitlines()[-1]) == strip(expected) and port in shown
     assert "-m finetune --model_name_or_path tiny --dataset_name sample --n_train 50" in shown
     with pytest.raises(gr.Error, match="upload a training file first"):
@@ -207,7 +231,8 @@ def test_model_choices_list_finished_runs(tab):
     (final / "config.json").write_text("{}")
     assert [v for _, v in train_handlers.base_model_choices(tab)][-1] == str(final)
     # a finished run is a valid base model on the CPU
-    assert train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab, model=str(final))), None).model == str(final)
+    made = train_handlers.spec_from_form(tab, form(tab, model_name_or_path=str(final)), None)
+    assert made.config.model_name_or_path == str(final)
 
 
 # --------------------------------------------------------------------------- uploads
@@ -226,14 +251,15 @@ def test_upload_needs_a_login_and_is_validated_then_copied(tab):
     assert "**my data.jsonl**: 12 rows" in preview
     assert "```text\nchatbot: context: happy  <s> hello number 0\n```" in preview
     # the upload is now the run's data: the last 10% becomes the validation split
-    spec = train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab, data_source="upload")), uploads)
-    assert spec.dataset == str(copy) and spec.holds_out_validation
+    spec = train_handlers.spec_from_form(tab, form(tab, data_source="upload"), uploads)
+    assert spec.split_train_file == str(copy) and spec.holds_out_validation and spec.config.train_file is None
 
     val = write_rows(tab.incoming / "val.csv", 0)
     val.write_text("texts,labels\ncontext: sad  <s> hi,hello\n")
     uploads, _ = train_handlers.accept_upload(tab, logged_in(), None, uploads, "validation", str(val), "")
-    spec = train_handlers.spec_from_form(tab, train_handlers.form_values(form(tab, data_source="upload")), uploads)
-    assert spec.validation_file == uploads.validation and uploads.validation.endswith("validation.csv")
+    spec = train_handlers.spec_from_form(tab, form(tab, data_source="upload"), uploads)
+    assert spec.config.validation_file == uploads.validation and uploads.validation.endswith("validation.csv")
+    assert spec.config.train_file == uploads.train and not spec.holds_out_validation
     cleared, preview = train_handlers.accept_upload(tab, Session(), None, uploads, "validation", None, "")
     assert cleared.validation is None and cleared.train == uploads.train and preview == ""
 
@@ -254,7 +280,7 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
     with pytest.raises(gr.Error, match="not uploaded through this app"):
         train_handlers.accept_upload(tab, session, None, None, "train", str(tab.incoming / ".." / "elsewhere.jsonl"), "")
     big = write_rows(tab.incoming / "big.jsonl", 200)
-    monkeypatch.setattr(runner, "MAX_UPLOAD_BYTES", 1000)
+    monkeypatch.setattr(jobs_uploads, "MAX_UPLOAD_BYTES", 1000)
     with pytest.raises(gr.Error, match="the limit is"):
         train_handlers.accept_upload(tab, session, None, None, "train", str(big), "")
     assert not tab.data_root.exists()
@@ -291,7 +317,7 @@ def test_actions_explain_what_is_not_possible(tab):
     with pytest.raises(gr.Error, match="only a finished run can be pushed"):
         train_handlers.push_run(tab, session, None, "me/chat", False)
     with pytest.raises(gr.Error, match="needs a GPU"):
-        train_handlers.start_run(tab, session, None, None, form(tab, model=DEFAULT_MODEL))
+        train_handlers.start_run(tab, session, None, None, form(tab, model_name_or_path=DEFAULT_MODEL))
     assert tab.manager.runs() == []
 
 
@@ -303,7 +329,8 @@ def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
     run_dir = tab.manager.root / run_id
     (run_dir / "final").mkdir(parents=True)
     (run_dir / "final" / "config.json").write_text("{}")
-    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "spec": RunSpec().to_dict(),
+    spec = JobSpec(app_config("tiny", dataset_name="sample"))
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "spec": spec.to_dict(),
                                                   "argv": ["python", "-m", "finetune"], "metrics_offset": 0}))
     (run_dir / "train.log").write_text("line 1\nfinal model in final\n")
     metrics = ckpt.MetricsWriter(run_dir, enabled=True)
@@ -377,6 +404,6 @@ def test_hardware_note():
 
 def test_data_root_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PERSONA_CHAT_DATA", str(tmp_path / "d"))
-    assert runner.data_root() == (tmp_path / "d").resolve() and runner.data_root() in runner.allowed_roots()
+    assert paths.data_root() == (tmp_path / "d").resolve() and paths.data_root() in paths.allowed_roots()
     monkeypatch.delenv("PERSONA_CHAT_DATA")
-    assert runner.data_root() == Path(os.getcwd(), runner.DATA_ROOT).resolve()
+    assert paths.data_root() == Path(os.getcwd(), paths.DATA_ROOT).resolve()

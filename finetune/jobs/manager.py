@@ -1,0 +1,224 @@
+"""RunManager: start, watch, stop, resume and push training runs, one at a time per runs root.
+
+A manager keeps nothing about a run in memory: every answer is read from the run folder and
+the processes, so any number of managers (a page reload, a second viewer, a restarted app, two
+app processes) see the same runs. Starting is exclusive across all of them: under a file lock
+in the runs root, a start or resume is refused while run.json of any run names a live process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from chat.layout import FINAL, RESULTS_FILE, is_hub_id
+from finetune import checkpoint as ckpt
+from finetune.jobs import paths, process
+from finetune.jobs.command import build_command, detect_gpus, format_command
+from finetune.jobs.paths import LOG_FILE, RUN_FILE, RUN_ID_RE, read_info, split_files, write_info
+from finetune.jobs.spec import JobSpec
+from finetune.jobs.status import RunStatus, read_events, status_of
+from finetune.jobs.uploads import write_split
+
+
+class RunBusyError(RuntimeError):
+    """Another run is still running; only one runs at a time."""
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class RunManager:
+    """Start, watch, stop, resume and push training runs under ``root`` (one at a time).
+    ``root`` defaults to ``paths.runs_root()``; it becomes an allowed root for local models."""
+
+    def __init__(self, root: Path | str | None = None, grace_seconds: float = 60.0, term_seconds: float = 15.0):
+        self.root = Path(root if root is not None else paths.runs_root()).expanduser().resolve()
+        self.grace_seconds = grace_seconds
+        self.term_seconds = term_seconds
+        paths.allow_root(self.root)
+
+    # ---- helpers
+
+    def _dir(self, run_id: str) -> Path:
+        if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+            raise ValueError(f"invalid run id {run_id!r}")
+        run_dir = self.root / run_id
+        if not (run_dir / RUN_FILE).is_file():
+            raise ValueError(f"no run {run_id!r} in {self.root}")
+        return run_dir
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Serialise start/resume across threads, RunManager instances and processes."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with process.LOCK, open(self.root / ".lock", "a") as fh:
+            try:
+                import fcntl
+
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            except ImportError:  # not POSIX: the in-process lock is all there is
+                pass
+            yield
+
+    def _running(self) -> str | None:
+        for run_id in self.runs():
+            run_dir = self.root / run_id
+            with contextlib.suppress(OSError, ValueError):
+                if process.run_alive(run_dir, read_info(run_dir)):
+                    return run_id
+        return None
+
+    def _refuse_if_busy(self) -> None:
+        busy = self._running()
+        if busy:
+            raise RunBusyError(f"run {busy} is still running; stop it or wait for it to finish "
+                               "(one training run at a time)")
+
+    def _launch(self, run_dir: Path, spec: JobSpec, info: dict, resume: bool) -> None:
+        """Launch an attempt and record it in run.json (caller holds ``_exclusive``)."""
+        argv = build_command(spec, run_dir, resume=resume)
+        log_path = run_dir / LOG_FILE
+        log_offset = _file_size(log_path)
+        metrics_offset = _file_size(run_dir / ckpt.METRICS_FILE)
+        with open(log_path, "ab") as log, process.LOCK:  # the reaper writes run.json only after this one
+            log.write(f"=== {'resume' if resume else 'start'} {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                      f"{format_command(argv)}\n".encode())
+            log.flush()
+            proc = process.spawn(argv, run_dir, log)
+            attempt = {"argv": argv, "pid": proc.pid, "pgid": proc.pid, "started": time.time(), "resume": resume,
+                       "metrics_offset": metrics_offset, "log_offset": log_offset}
+            info.update(attempt)
+            info.pop("exit_code", None)
+            info.pop("killed", None)
+            info.setdefault("attempts", []).append(attempt)
+            write_info(run_dir, info)
+
+    def _note_kill(self, run_dir: Path, pgid: int) -> None:
+        """After a SIGKILL: say why in run.json, unless the run had ended by itself after all."""
+        events = [e.get("event") for _, e in read_events(run_dir)]
+        if events[-1:] in (["stopped"], ["done"]):
+            return
+        with contextlib.suppress(OSError, ValueError):
+            info = read_info(run_dir)
+            if info.get("pgid") == pgid:  # not a later attempt's
+                info["killed"] = (f"the run did not stop within {self.grace_seconds:g} s of the stop "
+                                  f"request nor {self.term_seconds:g} s after SIGTERM, and was killed")
+                write_info(run_dir, info)
+
+    # ---- API
+
+    def runs(self) -> list[str]:
+        """Run ids under the root, newest first."""
+        found = []
+        with contextlib.suppress(OSError):
+            for entry in self.root.iterdir():
+                if RUN_ID_RE.match(entry.name) and (entry / RUN_FILE).is_file():
+                    found.append(entry.name)
+        return sorted(found, reverse=True)  # ids start with the launch time
+
+    def command_preview(self, spec: JobSpec) -> str:
+        """What start(spec) would run ("Show command"), with a placeholder run folder."""
+        return format_command(build_command(spec, self.root / "<run_id>"))
+
+    def start(self, spec: JobSpec) -> RunStatus:
+        if spec.num_gpus > 0:
+            available = detect_gpus()
+            if spec.num_gpus > available:
+                raise ValueError(f"num_gpus is {spec.num_gpus} but {available} GPU(s) are visible")
+        with self._exclusive():
+            self._refuse_if_busy()
+            run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+            run_dir = self.root / run_id
+            run_dir.mkdir(parents=True)
+            try:
+                if spec.holds_out_validation:
+                    write_split(spec.split_train_file, run_dir)  # DataError: nothing launched
+                info = {"run_id": run_id, "spec": spec.to_dict(), "created": time.time()}
+                self._launch(run_dir, spec, info, resume=False)
+            except BaseException:
+                if not (run_dir / RUN_FILE).exists():
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                raise
+        return self.status(run_id)
+
+    def status(self, run_id: str | None = None) -> RunStatus:
+        """A run's state; by default the running run, else the most recent one (else idle)."""
+        if run_id is None:
+            run_id = self._running() or next(iter(self.runs()), None)
+            if run_id is None:
+                return RunStatus()
+        return status_of(self._dir(run_id))
+
+    def stop(self, run_id: str | None = None) -> RunStatus:
+        """Ask a run to checkpoint and stop (STOP file); a background thread SIGTERMs its
+        process group after grace_seconds, and SIGKILLs it term_seconds after that."""
+        run_id = run_id or self._running()
+        if run_id is None:
+            return self.status()
+        run_dir = self._dir(run_id)
+        info = read_info(run_dir)
+        if not process.run_alive(run_dir, info):
+            return self.status(run_id)
+        (run_dir / ckpt.STOP_FILE).touch()
+        pgid = info["pgid"]
+        process.stop_in_background(run_dir, pgid, self.grace_seconds, self.term_seconds,
+                                   on_kill=lambda: self._note_kill(run_dir, pgid))
+        return self.status(run_id)
+
+    def resume(self, run_id: str) -> RunStatus:
+        """Continue a stopped or failed run from its latest checkpoint, in the same folder."""
+        run_dir = self._dir(run_id)
+        with self._exclusive():
+            self._refuse_if_busy()
+            if status_of(run_dir).state == "finished":
+                raise ValueError(f"run {run_id} has already finished")
+            if not ckpt.list_checkpoints(run_dir):
+                raise ValueError(f"run {run_id} has no checkpoint to resume from; start a new run")
+            info = read_info(run_dir)
+            spec = JobSpec.from_dict(info["spec"])  # checked again: roots or files may have changed
+            if spec.holds_out_validation and not all(p.is_file() for p in split_files(run_dir)):
+                write_split(spec.split_train_file, run_dir)
+            with contextlib.suppress(FileNotFoundError):
+                (run_dir / ckpt.STOP_FILE).unlink()  # or the run would stop again at once
+            self._launch(run_dir, spec, info, resume=True)
+        return self.status(run_id)
+
+    def finished_runs(self) -> list[tuple[str, str]]:
+        """(label, final folder) of every finished run, newest first: "<run_id> (BLEU 12.3)"."""
+        out = []
+        for run_id in self.runs():
+            final = self.root / run_id / FINAL
+            if not (final / "config.json").is_file():
+                continue
+            label = run_id
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                bleu = json.loads((final / RESULTS_FILE).read_text())["eval_bleu"]
+                label = f"{run_id} (BLEU {bleu:.1f})"
+            out.append((label, str(final)))
+        return out
+
+    def push(self, run_id: str, repo_id: str, private: bool = False) -> str:
+        """Upload a finished run's final/ folder to the Hub; returns the repo URL.
+        ``finetune.hub.HubError`` (clear message, token scrubbed) propagates."""
+        run_dir = self._dir(run_id)
+        final = run_dir / FINAL
+        if not (final / "config.json").is_file():
+            raise ValueError(f"run {run_id} has no final model to push (it has not finished)")
+        repo_id = (repo_id or "").strip()
+        if not is_hub_id(repo_id, owner=True):
+            raise ValueError(f"Hub repo id must look like 'user/name', got {repo_id!r}")
+        from finetune.hub import push
+
+        url = push(final, repo_id, private=private)
+        # recorded like the CLI's own push, so every viewer (and a restarted app) sees it
+        ckpt.MetricsWriter(run_dir, enabled=True).write("pushed", repo=repo_id, url=url)
+        return url

@@ -1,0 +1,226 @@
+"""What the app shows of a run, read from its folder: ``RunStatus``.
+
+State comes from process liveness and the CLI's events in metrics.jsonl (finetune/train.py
+writes start, log, eval, checkpoint, stopped, done, error, pushed); run.json's offsets say
+where the current launch attempt's events and log lines begin. A failure's reason is the
+attempt's latest error event (the CLI writes one for every failure it catches, with the
+error's kind and the file at fault where there is one); only when there is none is it scraped
+from the end of train.log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chat.layout import FINAL
+from finetune import checkpoint as ckpt
+from finetune.jobs import process
+from finetune.jobs.command import format_command
+from finetune.jobs.paths import LOG_FILE, read_info
+
+LOG_TAIL_LINES = 40
+
+# Error kinds whose message the CLI writes for the user (finetune.train.KNOWN_ERRORS); any other
+# kind ("internal": a bug, its message "ExcType: text") is said to be one.
+USER_ERRORS = ("DataError", "ModelLoadError", "TrainingError", "HubError", "FileNotFoundError")
+
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torch elastic's tag on each line of a rank
+_ERROR_LINE = re.compile(r"^\d\d:\d\d:\d\d ERROR [\w.]+: (.+)$")  # finetune.train.main's log format
+_ARGPARSE_ERROR = re.compile(r"^python -m finetune: error: (.+)$")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt): .+$")
+_LAUNCHER_NOISE = ("ChildFailedError", "CalledProcessError")
+
+
+@dataclass
+class RunStatus:
+    run_id: str | None = None
+    state: str = "idle"  # idle | running | stopping | stopped | finished | failed
+    step: int = 0
+    total_steps: int = 0
+    progress: float = 0.0  # 0..1
+    eta_seconds: float | None = None
+    loss_points: list[dict] = field(default_factory=list)  # [{"step", "loss"}] for gr.LinePlot
+    bleu_points: list[dict] = field(default_factory=list)  # [{"step", "bleu"}]
+    samples_per_second: float | None = None
+    gpu_mem_gib: float | None = None
+    log_tail: str = ""
+    error: str | None = None
+    final_dir: str | None = None
+    eval_bleu: float | None = None
+    samples: list[dict] = field(default_factory=list)  # prompt / prediction / reference
+    command: str = ""
+    has_checkpoint: bool = False  # resume() is possible once stopped or failed
+    pushed_url: str | None = None  # where the final model was last pushed (by the CLI or push())
+
+
+# --------------------------------------------------------------------------- reading the run folder
+
+
+def read_events(run_dir: Path) -> list[tuple[int, dict]]:
+    """(byte offset, event) of every complete line of metrics.jsonl."""
+    path = run_dir / ckpt.METRICS_FILE
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return []
+    out, offset = [], 0
+    for line in data.splitlines(keepends=True):
+        if line.endswith(b"\n"):  # a line still being written is read next time
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    out.append((offset, event))
+        offset += len(line)
+    return out
+
+
+def tail(path: Path, lines: int, since: int = 0) -> list[str]:
+    """The last ``lines`` lines of ``path`` from byte ``since`` (reads at most ~256 KB)."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            start = max(since, size - 256 * 1024)
+            fh.seek(start)
+            data = fh.read()
+    except OSError:
+        return []
+    # progress bars redraw with \r: keep only the last state of each line
+    text = data.decode(errors="replace")
+    rows = [row.rstrip("\r").rsplit("\r", 1)[-1] for row in text.split("\n")]
+    if rows and rows[-1] == "":
+        rows.pop()
+    return rows[-lines:]
+
+
+# --------------------------------------------------------------------------- failure reasons
+
+
+def error_from_event(event: dict) -> str | None:
+    """The reason an error event gives: its message, plus the file at fault when the message
+    does not name it already; an internal error says it is one."""
+    message = str(event.get("message") or "").strip()
+    if not message:
+        return None
+    kind, file = event.get("kind"), event.get("file")
+    if kind and kind not in USER_ERRORS:
+        message = f"{kind} error: {message}"
+    if file and str(file) not in message:
+        message = f"{message} (file: {file})"
+    return message
+
+
+def error_from_log(lines: list[str]) -> str | None:
+    """The CLI's own message (its ERROR log line or argparse error), else the root exception;
+    lines of any rank (``[rank1]: ...``)."""
+    lines = [_RANK_PREFIX.sub("", line) for line in lines]
+    for pattern in (_ERROR_LINE, _ARGPARSE_ERROR):
+        found = [m.group(1) for m in map(pattern.match, lines) if m]
+        if found:
+            return found[-1].strip()
+    for line in lines:  # the first exception is the root cause; launchers add theirs after it
+        stripped = line.strip()
+        if _EXCEPTION_LINE.match(stripped) and not any(n in stripped for n in _LAUNCHER_NOISE):
+            return stripped
+    return None
+
+
+def _failure(run_dir: Path, info: dict, current: list[dict]) -> str:
+    """Why the current attempt failed: killed by a stop, else its latest error event, else the
+    log, else its exit code."""
+    error = next((e for e in reversed(current) if e.get("event") == "error"), None)
+    reason = (info.get("killed") or (error and error_from_event(error))
+              or error_from_log(tail(run_dir / LOG_FILE, 400, since=info.get("log_offset", 0))))
+    if reason:
+        return reason
+    code = info.get("exit_code")
+    return (f"the training process exited with code {code}; see the log" if code is not None
+            else "the training process ended without a result (killed?); see the log")
+
+
+# --------------------------------------------------------------------------- the status
+
+
+def status_of(run_dir: Path) -> RunStatus:
+    """The status of the run in ``run_dir``, from its folder and its processes."""
+    # Order matters: the stop thread writes its note before it stops counting as stopping, and
+    # the liveness check records a reaped child's exit code, so run.json is read again after both.
+    escalating = process.is_stopping(run_dir)
+    alive = process.run_alive(run_dir, read_info(run_dir))
+    info = read_info(run_dir)
+    events = read_events(run_dir)
+    offset = info.get("metrics_offset", 0)
+    current = [e for off, e in events if off >= offset]  # this launch attempt's events
+    everything = [e for _, e in events]
+
+    loss, bleu = {}, {}
+    step, total, last_log, last_eval = 0, 0, None, None
+    for e in everything:
+        kind = e.get("event")
+        if isinstance(e.get("step"), int):
+            step = e["step"]  # the latest event's step (a resumed run restarts at its checkpoint)
+        if kind == "start":
+            total = e.get("total_steps", total)
+            step = e.get("resumed_at", step)
+        elif kind == "log":
+            loss[e["step"]] = e["loss"]  # steps repeated after a resume: the later value wins
+            last_log = e
+        elif kind == "eval":
+            bleu[e["step"]] = e["eval_bleu"]
+            last_eval = e
+    done = next((e for e in reversed(current) if e.get("event") == "done"), None)
+    terminal = done or next((e for e in reversed(current) if e.get("event") in ("stopped", "error")), None)
+
+    status = RunStatus(run_id=run_dir.name, command=format_command(info.get("argv", [])))
+    status.step, status.total_steps = step, total
+    status.progress = min(1.0, step / total) if total else 0.0
+    status.loss_points = [{"step": s, "loss": v} for s, v in sorted(loss.items())]
+    status.bleu_points = [{"step": s, "bleu": v} for s, v in sorted(bleu.items())]
+    if last_log:
+        status.samples_per_second = last_log.get("samples_per_second")
+        status.gpu_mem_gib = last_log.get("gpu_mem_gib")
+    if last_eval:
+        status.eval_bleu = last_eval.get("eval_bleu")
+        status.samples = list(last_eval.get("samples") or [])
+    status.log_tail = "\n".join(tail(run_dir / LOG_FILE, LOG_TAIL_LINES))
+    status.has_checkpoint = bool(ckpt.list_checkpoints(run_dir))
+
+    if alive or escalating:
+        status.state = "stopping" if (run_dir / ckpt.STOP_FILE).exists() or escalating else "running"
+        status.eta_seconds = _eta(current, step, total)
+    elif terminal and terminal["event"] == "done":
+        status.state, status.progress, status.eta_seconds = "finished", 1.0, 0.0
+        status.eval_bleu = terminal.get("eval_bleu", status.eval_bleu)
+        # training finished; a later error is the Hub push failing (the model is kept), until a
+        # later push succeeds
+        for e in current[current.index(terminal) + 1:]:
+            if e.get("event") == "error":
+                status.error = error_from_event(e) or status.error
+            elif e.get("event") == "pushed":
+                status.error, status.pushed_url = None, e.get("url")
+        final = run_dir / FINAL
+        status.final_dir = str(final) if final.is_dir() else None
+    elif terminal and terminal["event"] == "stopped":
+        status.state = "stopped"
+    else:
+        status.state = "failed"
+        status.error = _failure(run_dir, info, current)
+    return status
+
+
+def _eta(current: list[dict], step: int, total: int) -> float | None:
+    """Remaining seconds at this attempt's average pace so far (evaluations included)."""
+    start = next((e for e in current if e.get("event") == "start"), None)
+    logs = [e for e in current if e.get("event") == "log"]
+    if not start or not logs or not total:
+        return None
+    done = logs[-1]["step"] - start.get("resumed_at", 0)
+    elapsed = logs[-1]["time"] - start["time"]
+    if done <= 0 or elapsed <= 0:
+        return None
+    return max(0.0, (total - logs[-1]["step"]) * elapsed / done - (time.time() - logs[-1]["time"]))

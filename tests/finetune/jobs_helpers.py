@@ -1,0 +1,70 @@
+"""Shared by the tests of finetune/jobs (tests/finetune/test_jobs_*.py): data files, specs as the
+Train tab makes them, the launcher's parse of a command, waiting for a run (the ``roots`` fixture
+is in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from finetune.jobs.manager import RunManager
+from finetune.jobs.spec import JobSpec, app_config
+from finetune.jobs.status import RunStatus
+
+TIMEOUT = 180  # seconds any single wait for a run may take
+LAUNCH = ("strategy", "precision", "num_gpus", "split_train_file")
+
+
+def spec(model: str = "tiny", **changes) -> JobSpec:
+    """A JobSpec as the Train tab starts it: the app's preset for ``model`` on the sample (unless
+    ``changes`` give data files), then ``changes`` (TrainConfig names, or launch settings)."""
+    launch = {name: changes.pop(name) for name in LAUNCH if name in changes}
+    if "train_file" not in changes and "split_train_file" not in launch:
+        changes.setdefault("dataset_name", "sample")
+    return JobSpec(app_config(model, **changes), **launch)
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def good_rows(n):
+    return [{"texts": f"context: happy  <s> hello number {i}", "labels": f"hi {i}!"} for i in range(n)]
+
+
+def launcher_args(argv):
+    """The launcher's own parse of an argv (its training_script_args are the CLI's flags)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    return launch_command_parser().parse_args(argv[3:])
+
+
+def wait_for(manager, run_id, done, timeout=TIMEOUT) -> RunStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = manager.status(run_id)
+        if done(status):
+            return status
+        assert time.monotonic() < deadline, f"timed out in state {status.state}:\n{status.log_tail}"
+        time.sleep(0.25)
+
+
+def settled(status):
+    return status.state not in ("running", "stopping")
+
+
+def fake_run(manager: RunManager, run_id: str, code: str) -> subprocess.Popen:
+    """A run dir whose 'training' process is a stub that looks like ours (argv has finetune + run dir)."""
+    run_dir = manager.root / run_id
+    run_dir.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, "finetune", "--output_dir", str(run_dir)],
+                            start_new_session=True)
+    info = {"run_id": run_id, "spec": spec().to_dict(), "argv": ["python", "-m", "finetune"], "pid": proc.pid,
+            "pgid": proc.pid, "started": time.time(), "metrics_offset": 0, "log_offset": 0, "attempts": []}
+    (run_dir / "run.json").write_text(json.dumps(info))
+    return proc

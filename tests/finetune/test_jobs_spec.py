@@ -1,0 +1,123 @@
+"""finetune/jobs/spec.py: a run = the CLI's TrainConfig + launch settings, checked on creation;
+the app's preset; run.json's spec, including the flat RunSpec of older run folders."""
+
+import dataclasses
+import re
+
+import pytest
+from jobs_helpers import spec
+
+from chat.layout import ROOT
+from finetune.config import TrainConfig
+from finetune.jobs.spec import APP_PRESET, JobSpec, _from_run_spec, app_config, app_defaults, make_config
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"num_train_epochs": 0}, "num_train_epochs must be >= 1"),
+    ({"num_train_epochs": 2.5}, "num_train_epochs must be a whole number"),
+    ({"per_device_train_batch_size": None}, "per_device_train_batch_size is required"),
+    ({"n_train": 0}, "n_train must be >= 1"),
+    ({"learning_rate": 0}, "learning_rate must be > 0"),
+    ({"learning_rate": float("nan")}, "learning_rate must be a finite number"),
+    ({"learning_rate": "fast"}, "learning_rate must be a number"),
+    ({"num_beams": True}, "num_beams must be a whole number"),
+    ({"push_to_hub": "yes"}, "push_to_hub must be true or false"),
+    ({"source_prefix": 3}, "source_prefix must be text"),
+    ({"strategy": "fsdp"}, "strategy must be one of zero2, zero3_offload, ddp"),
+    ({"precision": "int8"}, "precision must be one of"),
+    ({"num_gpus": -1}, "num_gpus must be >= 0"),
+    ({"strategy": "ddp"}, "needs GPUs"),
+    ({"strategy": "zero3_offload"}, "needs GPUs"),
+    ({"precision": "fp16"}, "needs GPUs"),
+    ({"precision": "bf16"}, "needs GPUs"),
+    ({"push_to_hub": True}, "push_to_hub needs --hub_model_id"),
+    ({"hub_model_id": "no-slash"}, "must look like 'user/name'"),
+    ({"hub_model_id": "a b/c"}, "must look like 'user/name'"),
+    ({"validation_file": str(ROOT / "data/sample/validation.jsonl")}, "--train_file and --validation_file go together"),
+    ({"model": ""}, "model is required"),
+    ({"model": "two words"}, "is not a preset"),
+    ({"dataset_name": ""}, "give --dataset_name or --train_file"),
+    ({"dataset_name": "a b/c"}, "is not 'sample'"),
+    ({"output_dir": "/tmp/elsewhere"}, "output_dir is not part of a run's spec"),
+    ({"resume_from_checkpoint": "latest"}, "resume_from_checkpoint is not part of a run's spec"),
+    ({"profile_dir": "/tmp/profile"}, "profile_dir writes outside the run folder"),
+    ({"no_such_setting": 1}, "unknown training settings: no_such_setting"),
+])
+def test_spec_validation(roots, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        spec(**kwargs)
+
+
+def test_spec_accepts_form_values(roots):
+    made = spec(num_train_epochs=2.0, n_train=None, n_val=16.0, hub_model_id="", num_gpus=0.0, learning_rate=1)
+    cfg = made.config
+    assert (cfg.num_train_epochs, cfg.n_val, cfg.hub_model_id, made.num_gpus) == (2, 16, None, 0)
+    assert isinstance(cfg.num_train_epochs, int) and isinstance(cfg.learning_rate, float)
+    assert made.precision == "auto" and made.strategy == "zero2" and made.split_train_file is None
+    assert spec(hub_model_id=" me/chat ").config.hub_model_id == "me/chat"
+    assert spec(source_prefix="").config.source_prefix == ""  # an empty prefix is a prefix, not "missing"
+
+
+def test_short_targets_lower_the_generation_minimum():
+    cfg = make_config(max_target_length=8)
+    assert (cfg.val_min_target_length, cfg.val_max_target_length) == (8, 8)
+    assert make_config(max_target_length=8, val_max_target_length=30).val_min_target_length == 20
+    assert make_config(max_target_length=64).val_min_target_length == 20  # the CLI's default stays
+    with pytest.raises(ValueError, match="val_min_target_length is larger"):
+        make_config(max_target_length=8, val_min_target_length=9)  # given explicitly: the CLI's check
+
+
+def test_the_app_preset_is_one_dict_of_config_overrides():
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert all(set(overrides) <= fields for overrides in APP_PRESET.values())
+    tiny, large = app_config("tiny"), app_config("facebook/blenderbot-400M-distill")
+    assert (tiny.num_train_epochs, tiny.per_device_train_batch_size, tiny.per_device_eval_batch_size) == (3, 16, 32)
+    assert (tiny.num_beams, tiny.logging_steps, tiny.learning_rate) == (4, 10, 1e-3)
+    assert large.learning_rate == 5e-5 == TrainConfig().learning_rate and large.num_train_epochs == 3
+    assert app_defaults("tiny") == {**APP_PRESET["*"], "learning_rate": 1e-3}
+    assert app_config("tiny", num_beams=1).num_beams == 1  # values win over the preset
+
+
+def test_run_json_spec_round_trips(roots):
+    _, uploads = roots
+    (uploads / "train.jsonl").write_text('{"texts": "a", "labels": "b"}\n' * 3)
+    for made in (spec(), spec(max_target_length=8, n_train=50, push_to_hub=True, hub_model_id="me/chat"),
+                 spec(split_train_file=str(uploads / "train.jsonl"))):
+        data = made.to_dict()
+        assert set(data) == {"config", "strategy", "precision", "num_gpus", "split_train_file"}
+        assert "output_dir" not in data["config"] and "resume_from_checkpoint" not in data["config"]
+        assert JobSpec.from_dict(data) == made
+
+
+OLD_SPEC = {  # run.json's "spec" as written by finetune/runner.py's RunSpec
+    "model": "tiny", "dataset": "sample", "validation_file": None, "n_train": 200, "n_val": 8, "epochs": 2,
+    "learning_rate": 0.001, "train_batch_size": 8, "eval_batch_size": 8, "max_source_length": 128,
+    "max_target_length": 8, "source_prefix": "-x: ", "strategy": "zero2", "precision": "auto", "num_gpus": 0,
+    "checkpointing_steps": 5, "num_beams": 1, "push_to_hub": False, "hub_model_id": None, "hub_private": False,
+    "logging_steps": 2,
+}
+
+
+def test_old_run_spec_is_read(roots):
+    _, uploads = roots
+    made = JobSpec.from_dict(OLD_SPEC)
+    assert made == spec(n_train=200, n_val=8, num_train_epochs=2, learning_rate=1e-3, per_device_train_batch_size=8,
+                        per_device_eval_batch_size=8, max_target_length=8, source_prefix="-x: ",
+                        checkpointing_steps=5, num_beams=1, logging_steps=2)
+    assert made.config.val_min_target_length == 8  # as the old command's --val_min_target_length 8
+
+    train = uploads / "train.jsonl"
+    val = uploads / "val.jsonl"
+    for path in (train, val):
+        path.write_text('{"texts": "a", "labels": "b"}\n' * 3)
+    alone = JobSpec.from_dict({**OLD_SPEC, "dataset": str(train)})
+    assert alone.split_train_file == str(train) and alone.config.train_file is None
+    both = JobSpec.from_dict({**OLD_SPEC, "dataset": str(train), "validation_file": str(val)})
+    assert (both.config.train_file, both.config.validation_file, both.split_train_file) == (str(train), str(val), None)
+    hub = _from_run_spec({**OLD_SPEC, "dataset": "smangrul/MuDoConv", "model": "facebook/blenderbot-400M-distill",
+                          "num_gpus": 2, "strategy": "ddp", "precision": "bf16"})
+    assert hub["config"]["dataset_name"] == "smangrul/MuDoConv"
+    assert (hub["num_gpus"], hub["strategy"], hub["precision"]) == (2, "ddp", "bf16")
+    assert hub["config"]["model_name_or_path"] == "facebook/blenderbot-400M-distill"
+    with pytest.raises(ValueError, match="unknown launch settings: colour"):
+        JobSpec.from_dict({**spec().to_dict(), "colour": "blue"})

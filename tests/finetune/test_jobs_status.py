@@ -1,0 +1,96 @@
+"""finetune/jobs/status.py: a failed run's reason comes from the CLI's error events first (kind,
+message, file), and from train.log only when the attempt wrote none (any rank's lines)."""
+
+import json
+
+import pytest
+
+from finetune import checkpoint as ckpt
+from finetune.jobs.manager import RunManager
+from finetune.jobs.status import error_from_event, error_from_log, status_of
+
+RUN_ID = "20250101-000000-abcdef"
+
+
+def failed_run(root, events=(), log="", earlier_events=(), earlier_log="", exit_code=1):
+    """A run folder whose process is gone: an earlier attempt (events, log), then the current one."""
+    run_dir = root / RUN_ID
+    run_dir.mkdir(parents=True)
+    metrics = ckpt.MetricsWriter(run_dir, enabled=True)
+    for event in earlier_events:
+        metrics.write(**event)
+    (run_dir / "train.log").write_text(earlier_log)
+    info = {"run_id": RUN_ID, "spec": {}, "argv": ["python", "-m", "finetune"], "pid": None, "pgid": None,
+            "metrics_offset": (run_dir / "metrics.jsonl").stat().st_size if earlier_events else 0,
+            "log_offset": len(earlier_log.encode()), "exit_code": exit_code, "attempts": []}
+    (run_dir / "run.json").write_text(json.dumps(info))
+    for event in events:
+        metrics.write(**event)
+    with open(run_dir / "train.log", "a") as fh:
+        fh.write(log)
+    return run_dir
+
+
+CLI_LOG = "12:00:01 INFO finetune: loading\n12:00:02 ERROR finetune: the log's message\n"
+
+
+def test_the_latest_error_event_is_the_reason(tmp_path):
+    run_dir = failed_run(tmp_path, log=CLI_LOG, events=[
+        {"event": "start", "total_steps": 10, "resumed_at": 0},
+        {"event": "error", "step": 3, "message": "CUDA out of memory"},  # as older CLIs wrote it where it happened
+        {"event": "error", "kind": "TrainingError", "message": "CUDA out of memory at batch 64: try a smaller one",
+         "file": None, "step": 3}])  # main()'s event for the failure
+    status = status_of(run_dir)
+    assert status.state == "failed" and status.error == "CUDA out of memory at batch 64: try a smaller one"
+
+
+def test_an_error_event_names_the_file_and_an_internal_kind(tmp_path):
+    event = {"event": "error", "kind": "DataError", "message": "row 3: column 'labels' is empty",
+             "file": "/up/train.jsonl"}
+    assert status_of(failed_run(tmp_path / "a", [event], CLI_LOG)).error == (
+        "row 3: column 'labels' is empty (file: /up/train.jsonl)")
+    named = dict(event, message="/up/train.jsonl: row 3: column 'labels' is empty")
+    assert status_of(failed_run(tmp_path / "b", [named])).error == named["message"]  # not twice
+    internal = {"event": "error", "kind": "internal", "message": "KeyError: 'input_ids'", "file": None}
+    assert status_of(failed_run(tmp_path / "c", [internal])).error == "internal error: KeyError: 'input_ids'"
+    assert error_from_event({"event": "error", "kind": "HubError", "message": "could not push"}) == "could not push"
+    assert error_from_event({"event": "error", "kind": "DataError", "message": " "}) is None
+
+
+def test_the_log_is_the_fallback_for_this_attempt_only(tmp_path):
+    old = {"event": "error", "kind": "DataError", "message": "the earlier attempt's error", "file": None}
+    run_dir = failed_run(tmp_path, earlier_events=[old], earlier_log="12:00:00 ERROR finetune: earlier\n",
+                         events=[{"event": "start", "total_steps": 10, "resumed_at": 4}], log=CLI_LOG)
+    assert status_of(run_dir).error == "the log's message"
+    # no event and nothing recognisable in the log: the exit code
+    assert status_of(failed_run(tmp_path / "b", log="Killed\n", exit_code=-9)).error == (
+        "the training process exited with code -9; see the log")
+    assert "ended without a result" in status_of(failed_run(tmp_path / "c", exit_code=None)).error
+
+
+def test_an_error_event_of_a_push_after_done_keeps_the_run_finished(tmp_path):
+    failed_run(tmp_path, events=[{"event": "done", "step": 4, "eval_bleu": 1.0},
+                                 {"event": "error", "message": "could not push (offline)"},
+                                 {"event": "error", "kind": "HubError", "message": "could not push: 401",
+                                  "file": None}])
+    status = RunManager(tmp_path).status(RUN_ID)
+    assert status.state == "finished" and status.error == "could not push: 401"
+
+
+@pytest.mark.parametrize("lines,reason", [
+    (["12:00:02 ERROR finetune: bad data"], "bad data"),
+    (["[rank0]: 12:00:02 ERROR finetune.train: bad data"], "bad data"),
+    (["usage: ...", "python -m finetune: error: --n_train must be >= 1, got 0"], "--n_train must be >= 1, got 0"),
+    (["[rank1]: python -m finetune: error: unknown flag"], "unknown flag"),
+    (["Traceback (most recent call last):", '  File "x.py", line 1', "RuntimeError: boom",
+      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: finetune FAILED",
+      "subprocess.CalledProcessError: Command '...' returned non-zero exit status 1."], "RuntimeError: boom"),
+    (["[rank0]: Traceback (most recent call last):", '[rank0]:   File "x.py", line 1',
+      "[rank0]: torch.OutOfMemoryError: CUDA out of memory.", "[rank1]:[W101 12:00:00] warning",
+      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"],
+     "torch.OutOfMemoryError: CUDA out of memory."),
+    (["[rank1]:   ValueError: deep inside"], "ValueError: deep inside"),
+    (["all good", "[rank0]: still good"], None),
+])
+def test_error_from_log(lines, reason):
+    assert error_from_log(lines) == reason
