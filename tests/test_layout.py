@@ -20,6 +20,7 @@ ALLOWED = {
 # Third-party packages that belong to one layer: the web UI, or training.
 ONLY_IN = {"gradio": {"webui", "app"}, "gradio_client": {"webui", "app"}, "accelerate": {"finetune", "bench"},
            "deepspeed": {"finetune", "bench"}}
+MAX_LINES = 500
 
 
 def sources() -> list[tuple[str, Path]]:
@@ -52,6 +53,12 @@ def test_imports_go_one_way(part, path):
 def test_nothing_imports_the_benchmarks():
     users = [path for part, path in sources() if part != "bench" and "bench" in imported(path)]
     assert users == []
+
+
+@pytest.mark.parametrize(("part", "path"), sources(), ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else v)
+def test_source_files_stay_short(part, path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines; split it (limit {MAX_LINES})"
 
 
 def test_the_rule_sees_lazy_imports(tmp_path):
