@@ -25,8 +25,11 @@ log = logging.getLogger("app")
 QUEUE_MAX_SIZE = 64
 # Up to 8 replies run at once; the engine batches concurrent ones into one generate() call.
 CONCURRENCY = 8
-# gradio refuses bigger uploads before they reach a handler (the runner checks again before parsing).
-LAUNCH_OPTIONS = {"max_file_size": MAX_UPLOAD_BYTES}
+# gradio refuses bigger uploads before they reach a handler (finetune.jobs checks again before parsing).
+# gradio keeps ~200 KB of state per browser session (a copy of every component's config), by default
+# for 10,000 sessions (~2 GB): 1,000 bounds it to ~200 MB. Nothing that matters lives only there: the
+# login is the browser's token, the chat history the browser's, a run's state its folder's.
+LAUNCH_OPTIONS = {"max_file_size": MAX_UPLOAD_BYTES, "state_session_capacity": 1000}
 PRIVATE = {"api_visibility": "private"}
 
 INTRO = """# Chat-E
@@ -40,8 +43,9 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
     tab's runs root, login settings and hardware (default: from the environment)."""
     train = train or train_handlers.TrainTab.create()
     with gr.Blocks(title="Chat-E · persona-chat", analytics_enabled=False) as demo:
-        # This session's login: kept on the server by gradio, never sent to or taken from the browser.
-        session = gr.State(auth.Session())
+        # The login token (webui/auth.py): kept by the browser, encrypted in its local storage, sent
+        # with every action and checked against the server's live logins; None when logged out.
+        session = gr.BrowserState(None, storage_key="persona-chat-login")
         gr.Markdown(INTRO)
         status = gr.Markdown(chat_handlers.serving_markdown(engine), elem_id="serving-status")
         with gr.Tabs():
@@ -65,10 +69,10 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
         for event in tab.actions:  # show what an action did at once, not at the next tick
             event.success(redraw, tab.cache, live, queue=False, show_progress="hidden", **PRIVATE)
 
-        def on_page_load(state: auth.Session, profile: gr.OAuthProfile | None):
+        def on_page_load(token: str | None, profile: gr.OAuthProfile | None):
             # The model is shared: show what is serving now whenever a page opens, and re-attach
             # to the latest run.
-            return (chat_handlers.serving_markdown(engine), auth.login_markdown(train.auth, state, profile),
+            return (chat_handlers.serving_markdown(engine), auth.login_markdown(train.auth, token, profile),
                     *redraw(None))
 
         demo.load(on_page_load, session, [status, tab.auth, *live], queue=False, **PRIVATE)

@@ -25,7 +25,7 @@ class ChatParts:
     picker: gr.Dropdown
 
 
-def build(engine: ChatEngine, train: TrainTab, session: gr.State, status: gr.Markdown) -> ChatParts:
+def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status: gr.Markdown) -> ChatParts:
     """The tab's components and events (call inside ``gr.Tab``). ``status`` is the page's
     serving banner, which a model swap updates."""
     with gr.Row():
@@ -81,7 +81,7 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.State, status: gr.Mar
     return ChatParts(chat=chat, picker=picker)
 
 
-def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.State, status: gr.Markdown) -> gr.Dropdown:
+def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status: gr.Markdown) -> gr.Dropdown:
     """The "Model" accordion: pick a finished run, the demo model or a Hub id, and serve it."""
     runs = train.manager.root  # the picker lists the Train tab's finished runs
     choices = chat_handlers.picker_choices(runs, current=engine.current.name)
@@ -99,10 +99,10 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.State, status:
                     "replies already being written finish on the old one. If loading fails, the current model "
                     "keeps serving.")
 
-    def load_model(state: auth.Session, profile: gr.OAuthProfile | None, choice, hub):
+    def load_model(token: str | None, profile: gr.OAuthProfile | None, choice, hub):
         # Swapping the model changes it for everyone: a login is needed, checked here.
         with explained("switch the served model"):
-            auth.require(train.auth, state, profile, "switch the served model (it changes it for everyone)")
+            auth.require(train.auth, token, profile, "switch the served model (it changes it for everyone)")
         yield from chat_handlers.load_model(engine, choice, hub, runs)
 
     load.click(load_model, [session, picker, hub_id], [status, picker], concurrency_limit=1, concurrency_id="load",

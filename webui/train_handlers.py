@@ -39,7 +39,7 @@ from finetune.jobs.manager import RunBusyError, RunManager
 from finetune.jobs.spec import JobSpec, app_config, make_config
 from finetune.jobs.status import RunStatus
 from finetune.jobs.uploads import validate_upload
-from webui.auth import AuthConfig, AuthError, Session, require
+from webui.auth import AuthConfig, AuthError, require
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def preview_markdown(name: str, rows: int, preview: list[str]) -> str:
     return "\n".join(lines)
 
 
-def accept_upload(tab: TrainTab, session: Session | None, profile, uploads: Uploads | None, which: str,
+def accept_upload(tab: TrainTab, token: str | None, profile, uploads: Uploads | None, which: str,
                   file, source_prefix: str | None) -> tuple[Uploads, str]:
     """Validate an uploaded train or validation file and copy it into the data root.
 
@@ -233,7 +233,7 @@ def accept_upload(tab: TrainTab, session: Session | None, profile, uploads: Uplo
         uploads.names.pop(which, None)
         return uploads, ""
     with explained("upload data"):
-        require(tab.auth, session, profile, "upload data")
+        require(tab.auth, token, profile, "upload data")
         incoming = Path(getattr(file, "path", file) if not isinstance(file, str) else file).resolve()
         # gradio only hands over files from its upload folder; checked here too, not assumed
         if not incoming.is_relative_to(tab.incoming_root()) or not incoming.is_file():
@@ -255,9 +255,9 @@ def accept_upload(tab: TrainTab, session: Session | None, profile, uploads: Uplo
 # --------------------------------------------------------------------------- actions
 
 
-def start_run(tab: TrainTab, session: Session | None, profile, uploads: Uploads | None, values: Mapping) -> str:
+def start_run(tab: TrainTab, token: str | None, profile, uploads: Uploads | None, values: Mapping) -> str:
     with explained("start a run"):
-        user = require(tab.auth, session, profile, "start a training run")
+        user = require(tab.auth, token, profile, "start a training run")
         spec = spec_from_form(tab, values, uploads)
         status = tab.manager.start(spec)
         log.info("run %s started (%s)", status.run_id, user)
@@ -265,9 +265,9 @@ def start_run(tab: TrainTab, session: Session | None, profile, uploads: Uploads 
         return f"▶️ Started run **{status.run_id}**. It keeps going if you close this page."
 
 
-def stop_run(tab: TrainTab, session: Session | None, profile) -> str:
+def stop_run(tab: TrainTab, token: str | None, profile) -> str:
     with explained("stop the run"):
-        user = require(tab.auth, session, profile, "stop a training run")
+        user = require(tab.auth, token, profile, "stop a training run")
         running = tab.manager.status()
         if running.state not in ("running", "stopping"):
             raise ValueError("no run is running")
@@ -277,9 +277,9 @@ def stop_run(tab: TrainTab, session: Session | None, profile) -> str:
                 f"If it does not end within {tab.manager.grace_seconds:g} s it is terminated.")
 
 
-def resume_run(tab: TrainTab, session: Session | None, profile) -> str:
+def resume_run(tab: TrainTab, token: str | None, profile) -> str:
     with explained("resume the run"):
-        user = require(tab.auth, session, profile, "resume a training run")
+        user = require(tab.auth, token, profile, "resume a training run")
         latest = tab.manager.status()
         if latest.run_id is None:
             raise ValueError("there is no run to resume; start one")
@@ -290,9 +290,9 @@ def resume_run(tab: TrainTab, session: Session | None, profile) -> str:
         return f"▶️ Resumed run **{status.run_id}** from its last checkpoint."
 
 
-def push_run(tab: TrainTab, session: Session | None, profile, repo_id: str | None, private: bool) -> str:
+def push_run(tab: TrainTab, token: str | None, profile, repo_id: str | None, private: bool) -> str:
     with explained("push to the Hub"):
-        user = require(tab.auth, session, profile, "push a model to the Hub")
+        user = require(tab.auth, token, profile, "push a model to the Hub")
         latest = tab.manager.status()
         if latest.state != "finished":
             raise ValueError("only a finished run can be pushed" + (

@@ -36,7 +36,7 @@ class TrainParts:
     live: list  # run text, loss plot, BLEU plot, samples, log tail, base-model dropdown (live_view's order)
 
 
-def build(train: TrainTab, session: gr.State) -> TrainParts:
+def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     """The tab's components and events (call inside ``gr.Tab``); returns the parts that app.py
     wires to the chat tab and the page: live outputs, timer, action events."""
 
@@ -141,40 +141,42 @@ def build(train: TrainTab, session: gr.State) -> TrainParts:
     timer = gr.Timer(handlers.TICK_SECONDS)
 
     # ---- events: each handler checks the login itself (train_handlers / webui.auth)
-    def do_login(state, typed):
+    def do_login(token, typed, request: gr.Request):
         with handlers.explained("log in"):
-            state, message = auth.login(train.auth, state, typed)
+            token, message = auth.login(train.auth, typed, train.auth.client(request))
         gr.Info(message)
-        return state, auth.login_markdown(train.auth, state), ""
+        return token, auth.login_markdown(train.auth, token), ""
 
-    def do_logout(state):
-        state, _ = auth.logout(state)
-        return state, auth.login_markdown(train.auth, state)
+    def do_logout(token):
+        auth.logout(train.auth, token)
+        return None, auth.login_markdown(train.auth, None)
 
     def upload(which):
-        def handler(state: auth.Session, profile: gr.OAuthProfile | None, current, file, prefix):
-            return handlers.accept_upload(train, state, profile, current, which, file, prefix)
+        def handler(token: str | None, profile: gr.OAuthProfile | None, current, file, prefix):
+            return handlers.accept_upload(train, token, profile, current, which, file, prefix)
         return handler
 
-    def do_start(state: auth.Session, profile: gr.OAuthProfile | None, current, **values):
-        return handlers.start_run(train, state, profile, current, values)
+    def do_start(token: str | None, profile: gr.OAuthProfile | None, current, **values):
+        return handlers.start_run(train, token, profile, current, values)
 
     def do_show(current, **values):
         return handlers.show_command(train, current, values)
 
-    def do_stop(state: auth.Session, profile: gr.OAuthProfile | None):
-        return handlers.stop_run(train, state, profile)
+    def do_stop(token: str | None, profile: gr.OAuthProfile | None):
+        return handlers.stop_run(train, token, profile)
 
-    def do_resume(state: auth.Session, profile: gr.OAuthProfile | None):
-        return handlers.resume_run(train, state, profile)
+    def do_resume(token: str | None, profile: gr.OAuthProfile | None):
+        return handlers.resume_run(train, token, profile)
 
-    def do_push(state: auth.Session, profile: gr.OAuthProfile | None, repo, is_private):
-        return handlers.push_run(train, state, profile, repo, is_private)
+    def do_push(token: str | None, profile: gr.OAuthProfile | None, repo, is_private):
+        return handlers.push_run(train, token, profile, repo, is_private)
 
     one_at_a_time = {"concurrency_limit": 1, "concurrency_id": "train"}
     for trigger in (login.click, password.submit):
-        trigger(do_login, [session, password], [session, auth_md, password], api_name="train_login",
-                concurrency_limit=1, concurrency_id="login", **PRIVATE)
+        # Not queued: a flood of wrong passwords takes no place in the queue that chat replies use,
+        # and a refused login returns at once (auth.Throttle), holding nothing.
+        trigger(do_login, [session, password], [session, auth_md, password], api_name="train_login", queue=False,
+                **PRIVATE)
     logout.click(do_logout, session, [session, auth_md], api_name="train_logout", queue=False, **PRIVATE)
     for file, which in ((train_file, "train"), (val_file, "validation")):
         for trigger in (file.upload, file.clear):

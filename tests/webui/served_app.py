@@ -38,13 +38,26 @@ class App:
 
 
 class Caller:
-    """A gradio_client session that also calls private endpoints (what a crafted request can do)."""
+    """A gradio_client session that also calls private endpoints (what a crafted request can do).
 
-    def __init__(self, url: str):
+    Like a browser, it keeps the login token (the app's gr.BrowserState) and sends it as the first
+    input of every endpoint that takes it; train_login / train_logout update it and return the rest."""
+
+    def __init__(self, url: str, token: str | None = None):
         self.client = Client(url, verbose=False)
+        self.token = token
         for endpoint in self.client.endpoints.values():
             endpoint.is_valid = True  # the client-side check only; the server decides
+        types = {c["id"]: c.get("type") for c in self.client.config["components"]}
+        self._takes_token = {d["id"] for d in self.client.config["dependencies"]
+                             if d.get("inputs") and types.get(d["inputs"][0]) == "browserstate"}
 
     def __call__(self, api_name: str, *args):
         fn_index = next(d["id"] for d in self.client.config["dependencies"] if d.get("api_name") == api_name)
-        return self.client.predict(*args, fn_index=fn_index)
+        if fn_index in self._takes_token:
+            args = (self.token, *args)
+        out = self.client.predict(*args, fn_index=fn_index)
+        if api_name in ("train_login", "train_logout"):
+            self.token, *rest = out
+            return tuple(rest)
+        return out

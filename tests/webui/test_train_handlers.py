@@ -1,4 +1,4 @@
-"""The Train tab's logic and the login rules (webui/train_handlers.py, webui/auth.py), without a browser.
+"""The Train tab's logic (webui/train_handlers.py), without a browser; the login rules are in test_auth.py.
 
 Real RunManager, real files; runs that would launch are refused before launching (no login) or
 are the fake-process kind of tests/finetune/test_jobs_process.py. Real training through the app is in
@@ -6,7 +6,6 @@ tests/webui/test_app_train.py and tests/webui/test_browser.py."""
 
 import dataclasses
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -22,15 +21,10 @@ from finetune.jobs import uploads as jobs_uploads
 from finetune.jobs.manager import RunManager
 from finetune.jobs.spec import JobSpec, app_config
 from finetune.jobs.status import RunStatus
-from webui import auth, train_handlers
-from webui.auth import AuthConfig, AuthError, Session
+from webui import train_handlers
+from webui.auth import AuthConfig
 
 PASSWORD = "correct horse battery staple"
-
-
-@pytest.fixture(autouse=True)
-def fast_failed_logins(monkeypatch):
-    monkeypatch.setattr(auth, "FAILED_LOGIN_DELAY", 0.0)
 
 
 @pytest.fixture
@@ -44,14 +38,9 @@ def tab(tmp_path, monkeypatch):
                              data_root=data, incoming=tmp_path / "incoming")
 
 
-def hf_profile(username: str) -> gr.OAuthProfile:
-    """What gradio injects for a signed-in Hugging Face user (built from the OpenID userinfo)."""
-    return gr.OAuthProfile({"preferred_username": username, "name": username.title(), "picture": "",
-                            "profile": f"https://huggingface.co/{username}"})
-
-
-def logged_in() -> Session:
-    return Session(password_ok=True)
+def logged_in(tab) -> str:
+    """A live login token of the tab's server (what the browser sends after a right password)."""
+    return tab.auth.logins.issue()
 
 
 def form(tab, **changes) -> dict:
@@ -65,77 +54,6 @@ def write_rows(path: Path, n: int) -> Path:
     path.write_text("".join(json.dumps({"texts": f"context: happy  <s> hello number {i}", "labels": f"hi {i}!"}) + "\n"
                             for i in range(n)))
     return path
-
-
-# --------------------------------------------------------------------------- auth
-
-
-def test_auth_config_from_env():
-    none = AuthConfig.from_env({})
-    assert not none.enabled and none.problem is None
-    with_password = AuthConfig.from_env({"TRAIN_PASSWORD": PASSWORD})
-    assert with_password.enabled and not with_password.oauth
-    assert PASSWORD not in repr(with_password) and PASSWORD not in str(with_password)
-    # OAuth outside a Space would be gradio's mock (anyone becomes the machine's HF user): ignored.
-    local = AuthConfig.from_env({"TRAIN_USERS": "alice, Bob"})
-    assert not local.enabled and not local.oauth and "only works on a Space" in local.problem
-    space = {"SYSTEM": "spaces", "SPACE_ID": "me/chat-e", "TRAIN_USERS": "alice, Bob"}
-    assert "hf_oauth: true" in AuthConfig.from_env(space).problem
-    oauth = AuthConfig.from_env({**space, "OAUTH_CLIENT_ID": "id"})
-    assert oauth.enabled and oauth.oauth and oauth.users == {"alice", "bob"} and oauth.problem is None
-
-
-def test_require_refuses_everyone_when_nothing_is_configured():
-    config = AuthConfig()
-    for session in (None, Session(), logged_in()):  # a logged-in flag cannot help: there is no login
-        with pytest.raises(AuthError, match="no login is configured"):
-            auth.require(config, session, {"preferred_username": "alice"}, "start a run")
-
-
-def test_require_password_session():
-    config = AuthConfig(password=PASSWORD)
-    with pytest.raises(AuthError, match=r"log in first \(Train tab: enter the password\)"):
-        auth.require(config, Session(), None, "start a run")
-    assert auth.require(config, logged_in(), None, "start a run") == "password"
-    # a Hugging Face profile means nothing when OAuth is not configured
-    with pytest.raises(AuthError, match="log in first"):
-        auth.require(config, None, {"preferred_username": "alice"}, "start a run")
-
-
-def test_require_oauth_users():
-    config = AuthConfig(users=frozenset({"alice"}), oauth=True)
-    assert auth.require(config, None, hf_profile("Alice"), "x") == "@Alice"
-    with pytest.raises(AuthError, match="@mallory is not in TRAIN_USERS"):
-        auth.require(config, None, hf_profile("mallory"), "x")
-    with pytest.raises(AuthError, match="sign in with Hugging Face"):
-        auth.require(config, Session(), None, "x")
-    # no password configured: a session flag (however it got there) does not log anyone in
-    with pytest.raises(AuthError, match="log in first"):
-        auth.require(config, logged_in(), None, "x")
-
-
-def test_login_checks_the_password_and_never_logs_it(caplog):
-    config = AuthConfig(password=PASSWORD)
-    caplog.set_level(logging.DEBUG)
-    for wrong in ("", None, "correct horse", PASSWORD + " ", 42, "x" * 5000):
-        with pytest.raises(AuthError, match="Wrong password"):
-            auth.login(config, Session(), wrong)
-    session, message = auth.login(config, Session(), PASSWORD)
-    assert session == logged_in() and "Logged in" in message
-    assert auth.logout(session)[0] == Session()
-    assert PASSWORD not in caplog.text and "login failed" in caplog.text
-    with pytest.raises(AuthError, match="not configured"):
-        auth.login(AuthConfig(), Session(), PASSWORD)
-
-
-def test_auth_status_markdown():
-    assert "TRAIN_PASSWORD" in auth.login_markdown(AuthConfig(), None)
-    assert "Training from this tab is off" in auth.login_markdown(AuthConfig(), None)
-    config = AuthConfig(password=PASSWORD)
-    assert "Log in" in auth.login_markdown(config, Session())
-    assert "Logged in" in auth.login_markdown(config, logged_in())
-    oauth = AuthConfig(users=frozenset({"alice"}), oauth=True)
-    assert "@alice" in auth.login_markdown(oauth, None, hf_profile("alice"))
 
 
 # --------------------------------------------------------------------------- the form
@@ -241,10 +159,10 @@ def test_model_choices_list_finished_runs(tab):
 def test_upload_needs_a_login_and_is_validated_then_copied(tab):
     upload = write_rows(tab.incoming / "my data.jsonl", 12)
     with pytest.raises(gr.Error, match="log in first"):
-        train_handlers.accept_upload(tab, Session(), None, None, "train", str(upload), "chatbot: ")
+        train_handlers.accept_upload(tab, None, None, None, "train", str(upload), "chatbot: ")
     assert not tab.data_root.exists()  # nothing copied for an anonymous caller
 
-    uploads, preview = train_handlers.accept_upload(tab, logged_in(), None, None, "train", str(upload), "chatbot: ")
+    uploads, preview = train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "chatbot: ")
     copy = Path(uploads.train)
     assert copy.is_relative_to(tab.data_root.resolve()) and copy.name == "train.jsonl"
     assert copy.read_bytes() == upload.read_bytes() and uploads.names == {"train": "my data.jsonl"}
@@ -256,16 +174,16 @@ def test_upload_needs_a_login_and_is_validated_then_copied(tab):
 
     val = write_rows(tab.incoming / "val.csv", 0)
     val.write_text("texts,labels\ncontext: sad  <s> hi,hello\n")
-    uploads, _ = train_handlers.accept_upload(tab, logged_in(), None, uploads, "validation", str(val), "")
+    uploads, _ = train_handlers.accept_upload(tab, logged_in(tab), None, uploads, "validation", str(val), "")
     spec = train_handlers.spec_from_form(tab, form(tab, data_source="upload"), uploads)
     assert spec.config.validation_file == uploads.validation and uploads.validation.endswith("validation.csv")
     assert spec.config.train_file == uploads.train and not spec.holds_out_validation
-    cleared, preview = train_handlers.accept_upload(tab, Session(), None, uploads, "validation", None, "")
+    cleared, preview = train_handlers.accept_upload(tab, None, None, uploads, "validation", None, "")
     assert cleared.validation is None and cleared.train == uploads.train and preview == ""
 
 
 def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
-    session = logged_in()
+    session = logged_in(tab)
     bad = tab.incoming / "bad.jsonl"
     bad.write_text(json.dumps({"texts": "x", "labels": "y"}) + "\n" + json.dumps({"texts": "x", "labels": " "}) + "\n")
     with pytest.raises(gr.Error, match=r"bad\.jsonl: row 2: column 'labels' is empty"):
@@ -291,17 +209,19 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- actions
 
 
-@pytest.mark.parametrize("config, session, message", [
-    (AuthConfig(), logged_in(), "no login is configured"),
-    (AuthConfig(password=PASSWORD), Session(), "log in first"),
+@pytest.mark.parametrize("config, token, message", [
+    (AuthConfig(), "valid-elsewhere", "no login is configured"),  # a token cannot help: there is no login
     (AuthConfig(password=PASSWORD), None, "log in first"),
+    (AuthConfig(password=PASSWORD), "forged-token", "log in first"),
 ])
-def test_actions_are_refused_without_a_login(tab, config, session, message):
+def test_actions_are_refused_without_a_login(tab, config, token, message):
     tab.auth = config
-    actions = [lambda: train_handlers.start_run(tab, session, None, None, form(tab)),
-               lambda: train_handlers.stop_run(tab, session, None),
-               lambda: train_handlers.resume_run(tab, session, None),
-               lambda: train_handlers.push_run(tab, session, None, "me/chat", False)]
+    if token == "valid-elsewhere":
+        token = AuthConfig(password=PASSWORD).logins.issue()  # live on another server's login list
+    actions = [lambda: train_handlers.start_run(tab, token, None, None, form(tab)),
+               lambda: train_handlers.stop_run(tab, token, None),
+               lambda: train_handlers.resume_run(tab, token, None),
+               lambda: train_handlers.push_run(tab, token, None, "me/chat", False)]
     for action in actions:
         with pytest.raises(gr.Error, match=message):
             action()
@@ -309,7 +229,7 @@ def test_actions_are_refused_without_a_login(tab, config, session, message):
 
 
 def test_actions_explain_what_is_not_possible(tab):
-    session = logged_in()
+    session = logged_in(tab)
     with pytest.raises(gr.Error, match="no run is running"):
         train_handlers.stop_run(tab, session, None)
     with pytest.raises(gr.Error, match="no run to resume"):
