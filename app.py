@@ -29,7 +29,9 @@ CONCURRENCY = 8
 # gradio keeps ~200 KB of state per browser session (a copy of every component's config), by default
 # for 10,000 sessions (~2 GB): 1,000 bounds it to ~200 MB. Nothing that matters lives only there: the
 # login is the browser's token, the chat history the browser's, a run's state its folder's.
-LAUNCH_OPTIONS = {"max_file_size": MAX_UPLOAD_BYTES, "state_session_capacity": 1000}
+# show_error: a request that gradio itself rejects (e.g. too few inputs) says why, not {"error": null};
+# the app's own handlers turn every failure into a message meant for the user (gr.Error).
+LAUNCH_OPTIONS = {"max_file_size": MAX_UPLOAD_BYTES, "state_session_capacity": 1000, "show_error": True}
 PRIVATE = {"api_visibility": "private"}
 
 INTRO = """# Chat-E

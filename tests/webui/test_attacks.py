@@ -1,0 +1,146 @@
+"""What an anonymous visitor of a public Space can try, against the app on 127.0.0.1: each test
+sends a bounded attack (count and time) and checks that chat keeps answering everyone, memory
+stays bounded and the trainer stays logged in. Chat latency under attack is printed (-s)."""
+
+import json
+import statistics
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from gradio_client import Client
+from served_app import App, Caller
+
+from chat.engine import MAX_HISTORY_TURNS
+from chat.layout import DEMO_DIR
+from webui import auth
+
+PASSWORD = "s3cret-for-attack-tests"
+TRAINER, ATTACKER = "198.51.100.4", "203.0.113.9"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    # As on a Space: behind a proxy that appends the client address to X-Forwarded-For.
+    served = App(tmp_path_factory.mktemp("attacks"), auth.AuthConfig(password=PASSWORD, behind_proxy=True))
+    yield served
+    served.close()
+
+
+def fn_index(app: App, api_name: str) -> int:
+    config = httpx.get(app.url + "config", timeout=10).json()
+    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == api_name)
+
+
+def run_predict(http: httpx.Client, fn: int, data: list, client: str | None = None, session: str | None = None):
+    """One unqueued event as a browser sends it (login, page load)."""
+    headers = {"x-forwarded-for": client} if client else {}
+    return http.post("gradio_api/run/predict", headers=headers,
+                     json={"fn_index": fn, "data": data, "session_hash": session or uuid.uuid4().hex[:11]})
+
+
+def chat_latencies(app: App, n: int) -> list[float]:
+    client = Client(app.url, verbose=False)
+    out = []
+    for i in range(n):
+        started = time.perf_counter()
+        assert client.predict(f"hello number {i}", "none", "", api_name="/chat").strip()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def test_a_wrong_password_flood_neither_fills_the_queue_nor_locks_out_the_trainer(app, capsys):
+    alone = statistics.median(chat_latencies(app, 6))
+    login = fn_index(app, "train_login")
+    stop = threading.Event()
+    refused = []
+
+    def flood():
+        with httpx.Client(base_url=app.url, timeout=30) as http:
+            while not stop.is_set() and len(refused) < 2000:
+                refused.append(run_predict(http, login, [None, "guess"], client=ATTACKER).json())
+
+    with ThreadPoolExecutor(6) as pool:
+        for _ in range(6):
+            pool.submit(flood)
+        try:
+            time.sleep(1.0)
+            under = chat_latencies(app, 18)  # every chat call answers: the flood takes no queue place
+            trainer = Caller(app.url)
+            trainer.client.headers["x-forwarded-for"] = TRAINER
+            markdown, _ = trainer("train_login", PASSWORD)  # another address: not locked out
+        finally:
+            stop.set()
+    assert markdown.startswith("🔓 **Logged in**")
+    messages = [str(r.get("error") or "") for r in refused]
+    assert sum("Too many wrong passwords" in m for m in messages) >= len(refused) - auth.MAX_FAILURES
+    with capsys.disabled():
+        print(f"\nchat median {alone:.3f} s alone, {statistics.median(under):.3f} s during "
+              f"{len(refused)} wrong logins")
+    assert statistics.median(under) < alone * 5 + 1.0  # before: 13 of 18 calls failed with "Queue is full"
+
+
+def test_huge_histories_are_refused_at_once_and_chat_goes_on(app, capsys):
+    alone = statistics.median(chat_latencies(app, 4))
+    history = [f"turn {i}: a message of a few words" for i in range(4 * MAX_HISTORY_TURNS)]  # ~140 KB
+
+    def attack(_):
+        client = Client(app.url, verbose=False)
+        started = time.perf_counter()
+        with pytest.raises(Exception, match="too long"):
+            client.predict("hi", "none", "", history=history, api_name="/chat")
+        return time.perf_counter() - started
+
+    with ThreadPoolExecutor(8) as pool:
+        attacks = pool.map(attack, range(8))
+        under = chat_latencies(app, 6)
+        refused_in = list(attacks)
+    with capsys.disabled():
+        print(f"\n8 requests of {len(history)} turns refused in {max(refused_in):.2f} s at most; chat median "
+              f"{alone:.3f} s alone, {statistics.median(under):.3f} s meanwhile")
+    assert max(refused_in) < 10  # 4,000 turns used to take 46-88 s each and fill every slot
+    assert statistics.median(under) < alone * 5 + 1.0
+
+
+def test_a_flood_of_new_sessions_stays_bounded_and_keeps_the_trainer_logged_in(app, capsys):
+    trainer = Caller(app.url)
+    trainer.client.headers["x-forwarded-for"] = TRAINER
+    trainer("train_login", PASSWORD)
+    page_load = fn_index(app, "on_page_load")
+    process = psutil.Process()
+    before = process.memory_info().rss
+    capacity = app.demo.state_session_capacity
+    with httpx.Client(base_url=app.url, timeout=30) as http:
+        for _ in range(capacity + 300):
+            assert run_predict(http, page_load, [None]).status_code == 200
+    grown = (process.memory_info().rss - before) / 2**20
+    with capsys.disabled():
+        print(f"\n{capacity + 300} new sessions: +{grown:.0f} MiB, {len(app.demo.state_holder.session_data)} kept")
+    assert len(app.demo.state_holder.session_data) <= capacity
+    assert grown < 400  # ~200 KB a session, capped; gradio's default 10,000 sessions grew ~2 GB
+    with pytest.raises(Exception, match="no run is running"):  # past the login check: still logged in
+        trainer("train_stop")
+
+
+def test_malformed_api_calls_get_a_reason_not_null(app):
+    base = app.url.rstrip("/")
+    for data in (["hi"], [], ["hi", "none", "", "fast", 5, None], ["hi \ud800", "none", "", "fast", None, None]):
+        body = json.dumps({"data": data})  # ASCII JSON: a lone surrogate travels as "\\ud800", as from a browser
+        event = httpx.post(base + "/gradio_api/call/chat", content=body, timeout=30,
+                           headers={"content-type": "application/json"}).json()["event_id"]
+        text = httpx.get(base + f"/gradio_api/call/chat/{event}", timeout=60).text
+        assert '"error": null' not in text, (data, text)
+        if data and data[0].startswith("hi \ud800"):
+            assert "event: complete" in text, text  # a lone surrogate is dropped, the bot answers
+
+
+def test_training_controls_stay_closed_to_visitors(app, tmp_path):
+    visitor = Caller(app.url)
+    for api_name, args in (("train_stop", []), ("train_resume", []), ("load_model", [str(DEMO_DIR), ""])):
+        with pytest.raises(Exception, match="log in first"):
+            visitor(api_name, *args)
