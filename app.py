@@ -19,6 +19,7 @@ import gradio as gr
 from chat.engine import ChatEngine
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
 from webui import auth, chat_handlers, chat_tab, train_handlers, train_tab
+from webui import uploads as web_uploads
 
 log = logging.getLogger("app")
 
@@ -44,7 +45,10 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
     """The whole app around ``engine`` (queue configured, not launched). ``train`` is the Train
     tab's runs root, login settings and hardware (default: from the environment)."""
     train = train or train_handlers.TrainTab.create()
-    with gr.Blocks(title="Chat-E · persona-chat", analytics_enabled=False) as demo:
+    # delete_cache: gradio removes the files this process received after 30 min (the cleaner thread,
+    # started with the server, also caps the folder's size and removes the app's unused copies).
+    with gr.Blocks(title="Chat-E · persona-chat", analytics_enabled=False,
+                   delete_cache=(web_uploads.MAX_AGE_S, web_uploads.MAX_AGE_S)) as demo:
         # The login token (webui/auth.py): kept by the browser, encrypted in its local storage, sent
         # with every action and checked against the server's live logins; None when logged out.
         session = gr.BrowserState(None, storage_key="persona-chat-login")
@@ -92,6 +96,7 @@ def __getattr__(name: str):
     if name == "demo":
         if _demo is None:
             _demo = build_demo(ChatEngine.start())
+            web_uploads.start_cleaner()
         return _demo
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -102,4 +107,5 @@ if __name__ == "__main__":
     engine = ChatEngine.start()
     log.info("%s (model ready in %.1f s)", engine.status, time.perf_counter() - started)
     demo = build_demo(engine)
+    web_uploads.start_cleaner()  # gradio's upload folder and the app's copies, every 10 s
     demo.launch(**LAUNCH_OPTIONS)  # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself

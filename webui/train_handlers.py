@@ -38,7 +38,7 @@ from finetune.jobs.command import detect_gpus
 from finetune.jobs.manager import RunBusyError, RunManager
 from finetune.jobs.spec import JobSpec, app_config, make_config
 from finetune.jobs.status import RunStatus
-from finetune.jobs.uploads import validate_upload
+from finetune.jobs.uploads import ensure_room, validate_upload
 from webui.auth import AuthConfig, AuthError, require
 
 log = logging.getLogger(__name__)
@@ -219,12 +219,20 @@ def preview_markdown(name: str, rows: int, preview: list[str]) -> str:
     return "\n".join(lines)
 
 
+def upload_name(file, incoming: Path) -> str:
+    """What the user calls an uploaded file, for messages: gradio's ``orig_name`` when it gives one,
+    else the name of its copy (gradio keeps the file's name), never the server's temporary path."""
+    name = str(getattr(file, "orig_name", None) or incoming.name).replace("\\", "/").rsplit("/", 1)[-1]
+    return "".join(c for c in name if c.isprintable())[:120] or "the uploaded file"
+
+
 def accept_upload(tab: TrainTab, token: str | None, profile, uploads: Uploads | None, which: str,
                   file, source_prefix: str | None) -> tuple[Uploads, str]:
     """Validate an uploaded train or validation file and copy it into the data root.
 
     Returns the session's new uploads and a preview of its first rows' encoder input. A cleared
-    upload box forgets that file."""
+    upload box forgets that file. Messages name the file as the user knows it (``upload_name``);
+    the copy is refused when the data root is full (``finetune.jobs.uploads.ensure_room``)."""
     if which not in ("train", "validation"):
         raise ValueError(f"unknown upload {which!r}")
     uploads = Uploads(uploads.train, uploads.validation, dict(uploads.names)) if uploads else Uploads()
@@ -238,18 +246,20 @@ def accept_upload(tab: TrainTab, token: str | None, profile, uploads: Uploads | 
         # gradio only hands over files from its upload folder; checked here too, not assumed
         if not incoming.is_relative_to(tab.incoming_root()) or not incoming.is_file():
             raise ValueError("that file was not uploaded through this app")
-        suffix = incoming.suffix.lower()
+        name, suffix = upload_name(file, incoming), incoming.suffix.lower()
         if suffix not in UPLOAD_TYPES:
-            raise ValueError(f"{incoming.name}: unsupported file type (use {', '.join(UPLOAD_TYPES)})")
-        checked = validate_upload(incoming, source_prefix or "")  # size first, then every row
+            raise ValueError(f"{name}: unsupported file type (use {', '.join(UPLOAD_TYPES)})")
+        # size first, then every row, within limits, in a child process
+        checked = validate_upload(incoming, source_prefix or "", name=name)
+        ensure_room(incoming.stat().st_size, tab.data_root)  # ValueError when the data root is full
         folder = tab.data_root / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         folder.mkdir(parents=True, exist_ok=False)
         copy = folder / f"{which}{suffix}"
         shutil.copyfile(incoming, copy)
         setattr(uploads, which, str(copy))
-        uploads.names[which] = incoming.name
-        log.info("upload %s: %d rows -> %s", which, checked["rows"], copy)
-        return uploads, preview_markdown(incoming.name, checked["rows"], checked["preview"])
+        uploads.names[which] = name
+        log.info("upload %s (%s): %d rows -> %s", which, name, checked["rows"], copy)
+        return uploads, preview_markdown(name, checked["rows"], checked["preview"])
 
 
 # --------------------------------------------------------------------------- actions

@@ -2,6 +2,9 @@
 an upload without a validation file split into the run folder."""
 
 import json
+import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,8 @@ from finetune.config import parse_args
 from finetune.data import DataError
 from finetune.jobs import uploads as uploads_module
 from finetune.jobs.command import build_command
-from finetune.jobs.uploads import MAX_UPLOAD_BYTES, validate_upload, write_split
+from finetune.jobs.paths import write_info
+from finetune.jobs.uploads import MAX_UPLOAD_BYTES, ensure_room, validate_upload, write_split
 
 
 def test_validate_upload(roots):
@@ -58,3 +62,63 @@ def test_uploaded_train_file_alone_is_split(roots, tmp_path):
         json.dumps(r) + "\n" for r in good_rows(25))  # the upload itself is untouched
     with pytest.raises(DataError, match="at least 2"):
         write_split(str(write_jsonl(uploads / "one.jsonl", good_rows(1))), tmp_path / "r2")
+
+
+# --------------------------------------------------------------------------- the data root's upload folders
+
+HOUR = 3600
+
+
+def upload_folder(root: Path, name: str, age_s: float, size: int = 100) -> Path:
+    """An upload folder as accept_upload leaves it, last modified ``age_s`` ago."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "train.jsonl").write_bytes(b"x" * size)
+    then = time.time() - age_s
+    for path in (folder / "train.jsonl", folder):
+        os.utime(path, (then, then))
+    return folder
+
+
+def test_clean_data_root_removes_only_old_uploads_no_run_uses(roots):
+    runs, data = roots
+    used = upload_folder(data, "20240101-000000-aaaaaa", 72 * HOUR)
+    used_by_old_run = upload_folder(data, "20240101-000000-bbbbbb", 72 * HOUR)
+    unused_old = upload_folder(data, "20240101-000000-cccccc", 25 * HOUR)
+    unused_young = upload_folder(data, "20240101-000000-dddddd", 23 * HOUR)
+    not_an_upload = upload_folder(data, "notes", 72 * HOUR)  # not named as accept_upload names them
+    made = spec(split_train_file=str(used / "train.jsonl"))
+    for run_id, run_spec in (("20240102-000000-000001", made.to_dict()),
+                             ("20240102-000000-000002", {"model": "tiny", "train_file": str(used_by_old_run / "x")})):
+        (runs / run_id).mkdir(parents=True)
+        write_info(runs / run_id, {"run_id": run_id, "spec": run_spec})
+    assert uploads_module.referenced_uploads(data) == {used.name, used_by_old_run.name}
+
+    assert uploads_module.clean_data_root() == [unused_old]
+    assert sorted(p.name for p in data.iterdir()) == sorted(
+        p.name for p in (used, used_by_old_run, unused_young, not_an_upload))
+    later = time.time() + 2 * HOUR
+    assert uploads_module.clean_data_root(now=later) == [unused_young]
+
+    # a run.json it cannot read: which uploads that run needs is unknown, so nothing is removed
+    (runs / "20240102-000000-000003").mkdir()
+    (runs / "20240102-000000-000003" / "run.json").write_text("{not json")
+    shutil.rmtree(runs / "20240102-000000-000001")
+    assert uploads_module.clean_data_root(now=later) == [] and used.is_dir()
+
+
+def test_ensure_room_cleans_when_full_then_refuses(roots):
+    runs, data = roots
+    used = upload_folder(data, "20240101-000000-aaaaaa", 72 * HOUR, size=600)
+    (runs / "20240102-000000-000001").mkdir(parents=True)
+    write_info(runs / "20240102-000000-000001",
+               {"spec": spec(split_train_file=str(used / "train.jsonl")).to_dict()})
+    stale = upload_folder(data, "20240101-000000-bbbbbb", 2 * HOUR, size=300)  # under a day old, over an hour
+    fresh = upload_folder(data, "20240101-000000-cccccc", 0.1 * HOUR, size=300)
+    ensure_room(300, data, max_bytes=1500)  # fits: nothing removed
+    assert stale.is_dir()
+    ensure_room(100, data, max_bytes=1200)  # full: the unused upload over an hour old goes
+    assert not stale.exists() and used.is_dir() and fresh.is_dir()
+    with pytest.raises(ValueError, match=r"storage for uploads is full \(0 MB of 0 MB in use"):
+        ensure_room(301, data, max_bytes=1200)
+    assert used.is_dir() and fresh.is_dir()

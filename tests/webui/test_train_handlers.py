@@ -7,11 +7,17 @@ tests/webui/test_app_train.py and tests/webui/test_browser.py."""
 import dataclasses
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import gradio as gr
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from gradio.data_classes import FileData
 
 from chat.engine import DEFAULT_MODEL
 from finetune import checkpoint as ckpt
@@ -22,6 +28,7 @@ from finetune.jobs.manager import RunManager
 from finetune.jobs.spec import JobSpec, app_config
 from finetune.jobs.status import RunStatus
 from webui import train_handlers
+from webui import uploads as webui_uploads
 from webui.auth import AuthConfig
 
 PASSWORD = "correct horse battery staple"
@@ -204,6 +211,115 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
     assert not tab.data_root.exists()
     with pytest.raises(ValueError, match="unknown upload"):
         train_handlers.accept_upload(tab, session, None, None, "test", str(big), "")
+
+
+def bomb(path: Path, rows: int = 450_000, width: int = 1000) -> Path:
+    """A parquet file under a kilobyte that holds rows x width x 2 bytes (0.9 GB) of text."""
+    value = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array(["x" * width]))
+    pq.write_table(pa.table({"texts": value, "labels": value}), path, compression="zstd", compression_level=22,
+                   write_statistics=False, store_schema=False, data_page_size=1 << 30, write_page_index=False,
+                   max_rows_per_page=1 << 20)
+    return path
+
+
+def test_upload_refusals_name_the_users_file_not_the_servers_path(tab):
+    session = logged_in(tab)
+    (tab.incoming / "3f9a1c").mkdir()  # gradio keeps an upload as <upload folder>/<sha256>/<its name>
+    bad = tab.incoming / "3f9a1c" / "my data.jsonl"
+    bad.write_text(json.dumps({"texts": "x", "labels": "y"}) + "\n" + json.dumps({"texts": "x", "labels": " "}) + "\n")
+    with pytest.raises(gr.Error) as refused:
+        train_handlers.accept_upload(tab, session, None, None, "train", str(bad), "")
+    assert refused.value.message == "my data.jsonl: row 2: column 'labels' is empty"
+    # a FileData (gradio's payload) names the file as the browser sent it
+    payload = FileData(path=str(bad), orig_name="C:\\Users\\me\\Mes données.jsonl")
+    with pytest.raises(gr.Error) as refused:
+        train_handlers.accept_upload(tab, session, None, None, "train", payload, "")
+    assert refused.value.message == "Mes données.jsonl: row 2: column 'labels' is empty"
+    good = write_rows(tab.incoming / "3f9a1c" / "tmp8x.jsonl", 3)
+    uploads, preview = train_handlers.accept_upload(tab, session, None, None, "train",
+                                                    FileData(path=str(good), orig_name="chats.jsonl"), "")
+    assert uploads.names == {"train": "chats.jsonl"} and "**chats.jsonl**: 3 rows" in preview
+
+
+def test_a_parquet_bomb_upload_is_refused_and_nothing_is_copied(tab):
+    upload = bomb(tab.incoming / "tiny.parquet")
+    assert upload.stat().st_size < 1000
+    with pytest.raises(gr.Error) as refused:
+        train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
+    assert refused.value.message == ("tiny.parquet: row 268436: the rows so far hold over 512 MB of text "
+                                     "(the limit for an upload)")
+    assert not tab.data_root.exists()
+
+
+def test_an_upload_is_refused_when_the_data_root_is_full(tab, monkeypatch):
+    upload = write_rows(tab.incoming / "data.jsonl", 12)
+    earlier = tab.data_root / "20240101-000000-aaaaaa"  # an upload no run uses, from 10 minutes ago
+    earlier.mkdir(parents=True)
+    (earlier / "train.jsonl").write_bytes(b"x" * 1000)
+    monkeypatch.setattr(jobs_uploads, "MAX_DATA_ROOT_BYTES", 1000 + upload.stat().st_size - 1)
+    for path in (earlier / "train.jsonl", earlier):
+        os.utime(path, (time.time() - 600, time.time() - 600))
+    with pytest.raises(gr.Error, match="storage for uploads is full"):
+        train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
+    assert [p.name for p in tab.data_root.iterdir()] == [earlier.name]  # nothing copied
+    for path in (earlier / "train.jsonl", earlier):  # two hours old: removed to make room
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    uploads, _ = train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
+    assert not earlier.exists() and Path(uploads.train).read_bytes() == upload.read_bytes()
+
+
+def put(folder: Path, name: str, size: int, age_s: float) -> Path:
+    """A file as gradio stores an upload (<sha256>/<name>), last modified ``age_s`` ago."""
+    path = folder / f"{abs(hash(name)):x}" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    os.utime(path.parent, (then, then))
+    return path
+
+
+def test_gradio_upload_folder_cleaner_removes_old_files_then_the_oldest_over_the_cap(tmp_path):
+    folder = tmp_path / "gradio"
+    old = put(folder, "old.jsonl", 10, age_s=40 * 60)  # over MAX_AGE_S (30 min)
+    target = tmp_path / "outside.txt"
+    target.write_text("keep me")
+    link = folder / "link.txt"
+    link.symlink_to(target)
+    os.utime(link, (time.time() - 7200, time.time() - 7200), follow_symlinks=False)
+    # the attack: ten 5 MB files within a second, all young
+    flood = [put(folder, f"flood{i}.bin", 5 * 2**20, age_s=10 - i * 0.1) for i in range(10)]
+    empty_old, empty_new = folder / "emptyold", folder / "emptynew"
+    empty_old.mkdir()
+    empty_new.mkdir()
+    os.utime(empty_old, (time.time() - 600, time.time() - 600))
+
+    cleaned = webui_uploads.clean_gradio_uploads(folder, max_bytes=20 * 2**20)
+    left = sorted(p.name for p in folder.rglob("*") if p.is_file())
+    assert left == ["flood6.bin", "flood7.bin", "flood8.bin", "flood9.bin"]  # the newest, within 20 MB
+    assert (cleaned.removed, cleaned.left) == (1 + 1 + 6, 20 * 2**20) and not old.exists()
+    assert not link.exists() and target.read_text() == "keep me"  # the link went, not what it points to
+    assert not empty_old.exists() and not old.parent.exists() and empty_new.is_dir()
+    assert all(p.exists() for p in flood[6:])
+    assert webui_uploads.clean_gradio_uploads(folder, max_bytes=20 * 2**20).removed == 0
+    assert webui_uploads.clean_gradio_uploads(tmp_path / "missing").removed == 0
+
+
+def test_the_cleaner_thread_cleans_both_folders_until_stopped(tab):
+    stale = put(tab.incoming, "stale.jsonl", 10, age_s=3600)
+    unused = tab.data_root / "20240101-000000-bbbbbb"
+    unused.mkdir(parents=True)
+    (unused / "train.jsonl").write_text("x")
+    for path in (unused / "train.jsonl", unused):
+        os.utime(path, (time.time() - 2 * 86400, time.time() - 2 * 86400))
+    stop = threading.Event()
+    thread = webui_uploads.start_cleaner(tab.incoming, tab.data_root, every_s=0.05, stop=stop)
+    deadline = time.monotonic() + 10
+    while (stale.exists() or unused.exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    thread.join(5)
+    assert not stale.exists() and not unused.exists() and not thread.is_alive()
 
 
 # --------------------------------------------------------------------------- actions
