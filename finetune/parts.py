@@ -5,11 +5,17 @@ requests and the final save. Each is small and does one thing; the recipe reads 
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
+import logging
 import math
 import os
+import shutil
 import signal
-import tempfile
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +27,7 @@ from transformers import DataCollatorForSeq2Seq, get_scheduler
 
 from chat.layout import FINAL, RESULTS_FILE, TRAINING_ARGS_FILE
 from finetune import checkpoint as ckpt
+from finetune.checkpoint import TrainingError  # (defined there, where saving raises it too)
 from finetune.config import TrainConfig
 from finetune.data import LengthGroupedSampler, row_lengths
 from finetune.evaluate import generation_kwargs
@@ -29,19 +36,81 @@ from finetune.hub import write_model_card
 log = get_logger(__name__)
 
 
-class TrainingError(RuntimeError):
-    """A run cannot go on (out of memory, non-finite loss, bad output dir); the message says why.
-    ``file`` is the file or folder it is about and ``step`` the step it stopped at, when known."""
-
-    def __init__(self, message: str, *, file: str | None = None, step: int | None = None):
-        super().__init__(message)
-        self.file, self.step = file, step
-
-
 class OutputDirInUse(TrainingError):
     """--output_dir holds an earlier run. Its metrics.jsonl stays that run's: no error event."""
 
 
+# --------------------------------------------------------------------------- the launcher's lifetime
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LAUNCHERS = ("accelerate", "torchrun", "deepspeed")  # program names
+LAUNCHER_MODULES = ("accelerate.commands", "torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher")
+
+
+def is_launcher(cmdline: list[str]) -> bool:
+    """``accelerate launch``, ``torchrun``, ``deepspeed`` or ``python -m`` one of them."""
+    if any(os.path.basename(arg) in LAUNCHERS for arg in cmdline[:2]):
+        return True
+    module = cmdline[cmdline.index("-m") + 1] if "-m" in cmdline[:-1] else ""
+    return module.startswith(LAUNCHER_MODULES)
+
+
+def watch_launcher(poll_seconds: float = 1.0) -> None:
+    """A rank started by a launcher gets SIGTERM (so: checkpoint and stop) when the launcher dies.
+
+    torch elastic starts each rank in a session of its own, so a ``kill -9`` of ``accelerate
+    launch`` (or of the app's process group) used to leave the ranks training to the end.
+    PR_SET_PDEATHSIG covers the direct parent: the elastic agent, which ``accelerate launch``
+    runs inside its own process (the tree is accelerate launch -> ranks). When the agent is a
+    separate process under a launcher (e.g. ``accelerate launch`` -> torchrun -> ranks), the
+    agent outlives a killed launcher, so a watchdog thread polls the launchers above the parent.
+    Nothing happens outside a launcher (no LOCAL_RANK/RANK in the environment)."""
+    if "LOCAL_RANK" not in os.environ and "RANK" not in os.environ:
+        return
+    import psutil
+
+    parent = os.getppid()
+    armed = sys.platform.startswith("linux") and ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+    try:
+        above = [p for p in psutil.Process(parent).parents() if p.pid > 1]
+        # the launchers right above the parent (not a shell or the app above those)
+        watched = list(itertools.takewhile(lambda p: is_launcher(p.cmdline()), above))
+        orphan = parent == 1 and not is_launcher(psutil.Process(1).cmdline())
+    except psutil.Error:
+        watched, orphan = [], False
+    # The launcher may have died before prctl, while Python imported the recipe: this process
+    # then belongs to init already (or to a subreaper, which goes unnoticed) and no signal comes.
+    if orphan or os.getppid() != parent:
+        launcher_gone(parent)
+    elif watched or not armed:  # (without PDEATHSIG the thread also watches the parent)
+        threading.Thread(target=poll_launchers, args=(parent, watched, poll_seconds), daemon=True,
+                         name="launcher-watchdog").start()
+
+
+def poll_launchers(parent: int, watched: list, poll_seconds: float) -> None:
+    import psutil
+
+    while True:
+        time.sleep(poll_seconds)
+        for proc in watched:
+            try:
+                alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE  # (same process: pid reuse)
+            except psutil.Error:
+                alive = False
+            if not alive:
+                launcher_gone(proc.pid)
+                return
+        if os.getppid() != parent:  # re-parented: the parent died
+            launcher_gone(parent)
+            return
+
+
+def launcher_gone(pid: int) -> None:
+    logging.getLogger("finetune").warning(f"the launcher (pid {pid}) is gone: stopping this process")
+    os.kill(os.getpid(), signal.SIGTERM)  # StopRequest once the loop runs; before that, the default: exit
+
+
+# --------------------------------------------------------------------------- the pieces of setup()
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -180,22 +249,28 @@ class StopRequest:
 
 def save_final(accelerator, model, tokenizer, cfg: TrainConfig, results: dict) -> Path:
     """save_pretrained (safetensors, full fp32 weights even under ZeRO) + everything chat needs."""
-    state_dict = accelerator.get_state_dict(model)  # every rank: ZeRO-3 gathers shards here
     dest = Path(cfg.output_dir) / FINAL
-    if accelerator.is_main_process:
-        tmp = Path(tempfile.mkdtemp(dir=cfg.output_dir, prefix=".final-"))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the app and a Space serve from it
-        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        gen = unwrapped.generation_config
-        for key, value in generation_kwargs(cfg).items():
-            setattr(gen, key, value)
-        gen.save_pretrained(tmp)
-        (tmp / TRAINING_ARGS_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
-        (tmp / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-        write_model_card(tmp, cfg, results, accelerator.num_processes)
-        ckpt.publish_dir(tmp, dest)
-    accelerator.wait_for_everyone()
+    tmp = Path(cfg.output_dir) / f".{FINAL}.tmp"
+    # A full disk is a TrainingError naming final/, and the half-written folder goes away.
+    with ckpt.saving(dest, cfg.output_dir, tmp=tmp if accelerator.is_main_process else None):
+        state_dict = accelerator.get_state_dict(model)  # every rank: ZeRO-3 gathers shards here
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
+            tmp.mkdir(parents=True)
+            state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+            unwrapped = accelerator.unwrap_model(model)
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            gen = unwrapped.generation_config
+            for key, value in generation_kwargs(cfg).items():
+                setattr(gen, key, value)
+            gen.save_pretrained(tmp)
+            (tmp / TRAINING_ARGS_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
+            (tmp / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+            write_model_card(tmp, cfg, results, accelerator.num_processes)
+            # The app and a Space serve from it: safetensors writes model.safetensors 0600.
+            for path in [tmp, *tmp.rglob("*")]:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            ckpt.publish_dir(tmp, dest)
+        accelerator.wait_for_everyone()
     return dest

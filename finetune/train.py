@@ -3,15 +3,19 @@
 Run with ``accelerate launch --config_file configs/accelerate/<name>.yaml -m finetune ...`` or,
 on one process, ``python -m finetune ...``. ``train()`` is one straight path of four steps:
 
-- ``setup``: data and model are loaded and checked (a bad file or model id fails before the run
-  writes anything but its error event), the accelerator prepares model, optimizer, scheduler
-  and loaders, a checkpoint is restored when resuming, and the ``start`` event is written;
+- ``setup``: the checkpoint to resume from is chosen and verified, data and model are loaded
+  and checked (a bad file or model id fails before the run writes anything but its error event),
+  the accelerator prepares model, optimizer, scheduler and loaders, the checkpoint is restored
+  when resuming, and the ``start`` event is written;
 - ``train_epoch``: optimizer steps, with periodic logging, checks and checkpoints;
-- ``evaluate_epoch``: each epoch ends with an evaluation (and a checkpoint, except the last epoch);
+- ``evaluate_epoch``: each epoch ends with an evaluation (and a checkpoint, except the last epoch;
+  one checkpoint per step, also when a checkpoint step ends an epoch);
 - ``finish``: the final model, all_results.json, the ``done`` event, the Hub push if asked.
 
 Every failure that ends a run becomes one ``error`` event in metrics.jsonl, written by ``main``
-(``error_event`` lists its fields).
+(``error_event`` lists its fields), or for a full disk during a save by the rank it happened on
+(``checkpoint.saving``). A rank started by a launcher stops when the launcher dies
+(``watch_launcher``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from finetune.parts import (
     plan_steps,
     save_final,
     start_profiler,
+    watch_launcher,
 )
 
 log = get_logger(__name__)
@@ -112,6 +117,7 @@ class Run:
     completed: int = 0  # optimizer steps done (a resumed run starts at its checkpoint's)
     epoch: int = 0  # the epoch being trained; a checkpoint records it with `completed`
     resumed_at: int = 0
+    saved_at: int = -1  # the step of the last checkpoint saved (or resumed from)
     skip_batches: int = 0  # micro-batches of its first epoch that a resumed run already trained on
     # set by begin(), right before the loop
     stop: StopRequest | None = None
@@ -152,8 +158,11 @@ def setup(cfg: TrainConfig) -> Run:
     checkpoint when resuming, and announce the run: the loop starts right after."""
     check_output_dir(cfg)
     resume_from = None
-    if cfg.resume_from_checkpoint:  # a wrong checkpoint fails now, not after minutes of loading
-        resume_from = ckpt.find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+    if cfg.resume_from_checkpoint:  # a missing or corrupt checkpoint fails now, not after minutes of loading
+        # (before the accelerator: every rank checks the same files and reaches the same choice)
+        resume_from = ckpt.choose_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint,
+                                             processes=int(os.environ.get("WORLD_SIZE", "1")),
+                                             metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=is_rank0()))
     # Data and model first: a bad file or model id fails here, before the run writes anything
     # but its error event.
     tokenizer = load_tokenizer(cfg.model_name_or_path)
@@ -190,7 +199,8 @@ def restore(run: Run, path: Path) -> None:
     """Load a checkpoint's full state (weights, optimizer, scheduler, RNGs) and continue where it was.
     Nothing between here and the loop may draw from the global RNG, or the resumed run differs."""
     run.accelerator.load_state(str(path))
-    run.completed = run.resumed_at = json.loads((path / ckpt.STATE_FILE).read_text())["completed_steps"]
+    # (choose_checkpoint checked that it parses and has completed_steps)
+    run.completed = run.resumed_at = run.saved_at = json.loads((path / ckpt.STATE_FILE).read_text())["completed_steps"]
     run.epoch, done_in_epoch = divmod(run.completed, run.steps_per_epoch)
     run.skip_batches = done_in_epoch * run.cfg.gradient_accumulation_steps
     log.info(f"resuming from {path} at step {run.completed}")
@@ -326,8 +336,12 @@ def log_window(run: Run, epoch: int) -> None:
 
 
 def checkpoint(run: Run) -> None:
+    """Save the training state at this step, once: a checkpoint step can also end an epoch."""
+    if run.saved_at == run.completed:
+        return
     state = {"completed_steps": run.completed, "epoch": run.epoch}
     path = ckpt.save_checkpoint(run.accelerator, run.cfg.output_dir, state, run.cfg.checkpoints_total_limit)
+    run.saved_at = run.completed
     run.metrics.write("checkpoint", step=run.completed, path=str(path))
 
 
@@ -422,8 +436,14 @@ def error_event(err: Exception, cfg: TrainConfig) -> dict:
     return fields
 
 
+def is_rank0() -> bool:
+    """RANK, not the accelerator: a run can fail, or check its checkpoint, before the accelerator exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def record_error(err: Exception, cfg: TrainConfig) -> None:
-    """Append the run's one ``error`` event to metrics.jsonl (the app shows the run's state from it)."""
+    """Append the run's one ``error`` event to metrics.jsonl (the app shows the run's state from it).
+    Not for an error whose ``recorded`` is set: a failed save wrote its own (``checkpoint.saving``)."""
     try:
         ckpt.MetricsWriter(cfg.output_dir, enabled=True).write("error", **error_event(err, cfg))
     except OSError as write_err:  # e.g. --output_dir is a file: the log still says what went wrong
@@ -433,10 +453,10 @@ def record_error(err: Exception, cfg: TrainConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m finetune``: train, or exit with 1 after one ``error`` event and one clear log
     line (a traceback too for an internal error)."""
-    # RANK, not the accelerator: a run can fail before the accelerator exists.
-    is_main = os.environ.get("RANK", "0") == "0"
+    is_main = is_rank0()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if is_main else logging.ERROR, stream=sys.stderr)
+    watch_launcher()  # before anything slow: this process must not outlive its launcher
     logger = logging.getLogger("finetune")
     cfg = parse_args(argv)
     try:
@@ -446,11 +466,11 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("%s", err)
         return 1
     except Exception as err:
-        if is_main:
+        if is_main and not getattr(err, "recorded", False):  # a failed save records its own
             record_error(err, cfg)
         if not isinstance(err, KNOWN_ERRORS):  # every process logs it: the failure may be its own
             logger.exception("internal error (a bug, or a failure nobody explained yet):")
-        elif is_main:
+        elif is_main or getattr(err, "recorded", False):  # a failed save: maybe this rank's disk filled up
             logger.error("%s", err)
         return 1
     return 0
