@@ -47,8 +47,11 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
     train = train or train_handlers.TrainTab.create()
     # delete_cache: gradio removes the files this process received after 30 min (the cleaner thread,
     # started with the server, also caps the folder's size and removes the app's unused copies).
-    with gr.Blocks(title="Chat-E · persona-chat", analytics_enabled=False,
-                   delete_cache=(web_uploads.MAX_AGE_S, web_uploads.MAX_AGE_S)) as demo:
+    with gr.Blocks(
+        title="Chat-E · persona-chat",
+        analytics_enabled=False,
+        delete_cache=(web_uploads.MAX_AGE_S, web_uploads.MAX_AGE_S),
+    ) as demo:
         # The login token (webui/auth.py): kept by the browser, encrypted in its local storage, sent
         # with every action and checked against the server's live logins; None when logged out.
         session = gr.BrowserState(None, storage_key="persona-chat-login")
@@ -66,9 +69,14 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
         # The Train tab's live view, from the run directory, so every page shows the same run; a
         # newly finished run also appears in both model lists.
         def redraw(cache):
-            return train_handlers.live_view(train, cache, (
-                lambda: train_handlers.model_list_update(train),
-                lambda: chat_handlers.refresh_models(engine, train.manager.root)))
+            return train_handlers.live_view(
+                train,
+                cache,
+                (
+                    lambda: train_handlers.model_list_update(train),
+                    lambda: chat_handlers.refresh_models(engine, train.manager.root),
+                ),
+            )
 
         live = [tab.cache, *tab.live, chat.picker]
         tab.timer.tick(redraw, tab.cache, live, queue=False, show_progress="hidden", **PRIVATE)
@@ -78,8 +86,11 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
         def on_page_load(token: str | None, profile: gr.OAuthProfile | None):
             # The model is shared: show what is serving now whenever a page opens, and re-attach
             # to the latest run.
-            return (chat_handlers.serving_markdown(engine), auth.login_markdown(train.auth, token, profile),
-                    *redraw(None))
+            return (
+                chat_handlers.serving_markdown(engine),
+                auth.login_markdown(train.auth, token, profile),
+                *redraw(None),
+            )
 
         demo.load(on_page_load, session, [status, tab.auth, *live], queue=False, **PRIVATE)
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=CONCURRENCY)

@@ -46,7 +46,7 @@ def prompt_set(n: int) -> list[tuple[Conversation, str]]:
         kind, context = "none", ""
         for name, (head, tail) in _PARTS.items():
             if context_text.startswith(head):
-                kind, context = name, context_text[len(head):].removesuffix(tail)
+                kind, context = name, context_text[len(head) :].removesuffix(tail)
         out.append((Conversation(kind, context, turns[:-1]), turns[-1]))
     return out
 
@@ -74,8 +74,11 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
                 else:
                     engine.reply(conv, message, settings)
                 latencies.append(time.perf_counter() - t0)
-        result[name] = {"p50": percentile(latencies, 50), "p95": percentile(latencies, 95),
-                        "first_text_p50": percentile(first, 50) if first else None}
+        result[name] = {
+            "p50": percentile(latencies, 50),
+            "p95": percentile(latencies, 95),
+            "first_text_p50": percentile(first, 50) if first else None,
+        }
     # Throughput: the same chats one by one, then all at once (batched by the engine).
     settings = replace(GENERATION_PRESETS["fast"], min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
     chats = (prompts * concurrency)[:concurrency]
@@ -87,8 +90,11 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(lambda c: engine.reply(c[0], c[1], settings), chats))
     together = time.perf_counter() - t0
-    result["throughput"] = {"concurrency": concurrency, "sequential_replies_per_s": concurrency / sequential,
-                            "concurrent_replies_per_s": concurrency / together}
+    result["throughput"] = {
+        "concurrency": concurrency,
+        "sequential_replies_per_s": concurrency / sequential,
+        "concurrent_replies_per_s": concurrency / together,
+    }
     rss = memory_mib()["rss"]
     result["rss_gib"] = rss / 1024
     result["rss_model_gib"] = (rss - rss_before) / 1024
@@ -97,23 +103,42 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
 
 def table(results: list[dict]) -> str:
     base = results[0]
-    header = ["variant", "fast p50", "fast p95", "first text p50", "faithful p50", "faithful p95",
-              f"{base['throughput']['concurrency']} chats: one by one → together (replies/s)", "RSS GiB"]
+    header = [
+        "variant",
+        "fast p50",
+        "fast p95",
+        "first text p50",
+        "faithful p50",
+        "faithful p95",
+        f"{base['throughput']['concurrency']} chats: one by one → together (replies/s)",
+        "RSS GiB",
+    ]
     rows = []
     for r in results:
         f, b, t = r["fast"], r["faithful"], r["throughput"]
         speed = base["fast"]["p50"] / f["p50"]
-        rows.append([f"{r['optimize']} ({r['device']})", f"{f['p50']:.3f} s ({speed:.2f}x)", f"{f['p95']:.3f} s",
-                     f"{f['first_text_p50']:.3f} s", f"{b['p50']:.3f} s", f"{b['p95']:.3f} s",
-                     f"{t['sequential_replies_per_s']:.2f} → {t['concurrent_replies_per_s']:.2f}",
-                     f"{r['rss_gib']:.2f}"])
+        rows.append(
+            [
+                f"{r['optimize']} ({r['device']})",
+                f"{f['p50']:.3f} s ({speed:.2f}x)",
+                f"{f['p95']:.3f} s",
+                f"{f['first_text_p50']:.3f} s",
+                f"{b['p50']:.3f} s",
+                f"{b['p95']:.3f} s",
+                f"{t['sequential_replies_per_s']:.2f} → {t['concurrent_replies_per_s']:.2f}",
+                f"{r['rss_gib']:.2f}",
+            ]
+        )
     return "\n".join(md_table(header, rows))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chat", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="facebook/blenderbot-400M-distill",
-                        help="checkpoint to time; falls back to random-400M when the Hub is unreachable")
+    parser.add_argument(
+        "--model",
+        default="facebook/blenderbot-400M-distill",
+        help="checkpoint to time; falls back to random-400M when the Hub is unreachable",
+    )
     parser.add_argument("--optimize", default="none,auto", help="comma-separated variants: none, bf16, int8, auto")
     parser.add_argument("--reply_tokens", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=8)
@@ -130,17 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError:
         spec, weights = "random-400M", "random-init weights (Hub unreachable)"
     prompts = prompt_set(args.prompts)
-    results = [bench_variant(spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency)
-               for v in args.optimize.split(",")]
+    results = [
+        bench_variant(spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency)
+        for v in args.optimize.split(",")
+    ]
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()
-    header = (f"{spec} ({weights}), {args.reply_tokens}-token replies, {len(prompts)} prompts x {args.repeats}, "
-              f"{hardware}, torch {env['torch']}, {env['date']}")
+    header = (
+        f"{spec} ({weights}), {args.reply_tokens}-token replies, {len(prompts)} prompts x {args.repeats}, "
+        f"{hardware}, torch {env['torch']}, {env['date']}"
+    )
     print(header)
     print(table(results))
     if args.out:
-        write_json(args.out, {"header": header, "command": command_line("bench.chat", argv), "environment": env,
-                              "results": results})
+        write_json(
+            args.out,
+            {"header": header, "command": command_line("bench.chat", argv), "environment": env, "results": results},
+        )
     return 0
 
 

@@ -152,9 +152,13 @@ class Batcher:
         try:
             if seed is not None:
                 torch.manual_seed(seed)
-            inputs = {k: v.to(model.device) for k, v in _pad([r.encoded for r in batch], tokenizer.pad_token_id).items()}
+            inputs = {
+                k: v.to(model.device) for k, v in _pad([r.encoded for r in batch], tokenizer.pad_token_id).items()
+            }
             with torch.inference_mode():
-                out = model.generate(**inputs, streamer=fan, **fast_kwargs(kwargs, inputs["input_ids"], self.cuda_graphs))
+                out = model.generate(
+                    **inputs, streamer=fan, **fast_kwargs(kwargs, inputs["input_ids"], self.cuda_graphs)
+                )
         except BaseException as err:  # every waiting request learns about it
             if fan:
                 fan.end()

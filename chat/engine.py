@@ -13,9 +13,9 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from transformers import AutoConfig, GenerationConfig, TextIteratorStreamer
@@ -84,10 +84,14 @@ class GenerationSettings:
 
     def generate_kwargs(self) -> dict:
         kwargs = dict(
-            num_beams=self.num_beams, do_sample=self.do_sample, max_new_tokens=self.max_new_tokens,
-            min_new_tokens=self.min_new_tokens, no_repeat_ngram_size=self.no_repeat_ngram_size,
+            num_beams=self.num_beams,
+            do_sample=self.do_sample,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            no_repeat_ngram_size=self.no_repeat_ngram_size,
             encoder_no_repeat_ngram_size=self.encoder_no_repeat_ngram_size,
-            repetition_penalty=self.repetition_penalty, length_penalty=self.length_penalty,
+            repetition_penalty=self.repetition_penalty,
+            length_penalty=self.length_penalty,
         )
         if self.do_sample:
             kwargs.update(temperature=self.temperature, top_p=self.top_p)
@@ -96,8 +100,14 @@ class GenerationSettings:
 
 GENERATION_PRESETS = {
     # The seed's evaluation / Chat-E settings: beam 10, min length 20, n-gram blocking.
-    "faithful": GenerationSettings(num_beams=10, min_new_tokens=20, max_new_tokens=60, no_repeat_ngram_size=3,
-                                   encoder_no_repeat_ngram_size=3, repetition_penalty=1.2),
+    "faithful": GenerationSettings(
+        num_beams=10,
+        min_new_tokens=20,
+        max_new_tokens=60,
+        no_repeat_ngram_size=3,
+        encoder_no_repeat_ngram_size=3,
+        repetition_penalty=1.2,
+    ),
     # Greedy with n-gram blocking: streams token by token, a fraction of beam-10's cost.
     "fast": GenerationSettings(num_beams=1, max_new_tokens=40, no_repeat_ngram_size=3, repetition_penalty=1.2),
 }
@@ -186,7 +196,9 @@ def load_checkpoint(spec: str, optimize: str | None = None) -> LoadedModel:
         config = AutoConfig.from_pretrained(source, **hub_options(source))
     except (OSError, ValueError) as err:
         if local:
-            raise CheckpointError(f"{spec}: unreadable config.json ({str(err).splitlines()[0] if str(err) else err})") from None
+            raise CheckpointError(
+                f"{spec}: unreadable config.json ({str(err).splitlines()[0] if str(err) else err})"
+            ) from None
         raise load_error(spec, err) from None
     if config.model_type != "blenderbot" or not config.is_encoder_decoder:
         raise CheckpointError(f"{spec}: a {config.model_type!r} model, not a seq2seq BlenderBot")
@@ -209,8 +221,11 @@ def load_checkpoint(spec: str, optimize: str | None = None) -> LoadedModel:
     # lengths there, which would clash with the chat's own settings (GenerationSettings).
     saved = model.generation_config
     model.generation_config = GenerationConfig(
-        decoder_start_token_id=saved.decoder_start_token_id, bos_token_id=saved.bos_token_id,
-        eos_token_id=saved.eos_token_id, pad_token_id=saved.pad_token_id, forced_eos_token_id=saved.forced_eos_token_id,
+        decoder_start_token_id=saved.decoder_start_token_id,
+        bos_token_id=saved.bos_token_id,
+        eos_token_id=saved.eos_token_id,
+        pad_token_id=saved.pad_token_id,
+        forced_eos_token_id=saved.forced_eos_token_id,
     )
     model = place(model, optimize)
     tokenizer = load_tokenizer(source)
@@ -239,15 +254,17 @@ class ChatEngine:
         self._batcher = batcher or Batcher()
 
     @classmethod
-    def start(cls, spec: str | None = None) -> "ChatEngine":
+    def start(cls, spec: str | None = None) -> ChatEngine:
         """Serve ``spec`` (default: CHAT_MODEL or the 400M base model); offline, the demo model."""
         spec = spec or os.environ.get("CHAT_MODEL", DEFAULT_MODEL)
         try:
             engine = cls(load_checkpoint(spec), f"serving {spec}")
         except ModelLoadError as err:
             log.warning("%s; falling back to the demo model", err)
-            engine = cls(load_checkpoint(str(DEMO_DIR)),
-                         f"offline: using the demo model (a tiny BlenderBot trained on the sample data) instead of {spec}")
+            engine = cls(
+                load_checkpoint(str(DEMO_DIR)),
+                f"offline: using the demo model (a tiny BlenderBot trained on the sample data) instead of {spec}",
+            )
         engine.warm_up()
         return engine
 
@@ -278,8 +295,10 @@ class ChatEngine:
             for message in messages:
                 encoded, _ = self.build_input(Conversation(turns=[message]), loaded)
                 self._generate(loaded, encoded, kwargs)
-            batch = [self.build_input(Conversation(turns=[f"hello {'and ' * i}bye"]), loaded)[0]
-                     for i in range(self._batcher.max_batch)]
+            batch = [
+                self.build_input(Conversation(turns=[f"hello {'and ' * i}bye"]), loaded)[0]
+                for i in range(self._batcher.max_batch)
+            ]
             for future in [self._batcher.submit(loaded, encoded, kwargs) for encoded in batch]:
                 future.result()
         except Exception as err:  # e.g. no compiler for Triton: serve as before, only slower
@@ -297,8 +316,10 @@ class ChatEngine:
         except ValueError:
             raise InputError(f"The {conv.kind} needs a context (e.g. a persona sentence).") from None
         if len(conv.turns) > MAX_HISTORY_TURNS:
-            raise InputError(f"The conversation is too long ({len(conv.turns)} turns; the limit is "
-                             f"{MAX_HISTORY_TURNS}). Start a new chat: the model only sees the last few turns.")
+            raise InputError(
+                f"The conversation is too long ({len(conv.turns)} turns; the limit is "
+                f"{MAX_HISTORY_TURNS}). Start a new chat: the model only sees the last few turns."
+            )
         turns = [neutralize(clean_text(t, MAX_MESSAGE_CHARS, "message")) for t in conv.turns]
         if not turns or not turns[-1]:
             raise InputError("Type a message first.")
@@ -312,8 +333,10 @@ class ChatEngine:
         # The context must leave room for the conversation, or the newest message would not fit.
         context_tokens = count(context_text) if context_text else loaded.count(loaded.prefix)
         if context_tokens > loaded.max_source_length // 2:
-            raise InputError(f"The context is too long: it takes {context_tokens} of the model's "
-                             f"{loaded.max_source_length} tokens; keep it under {loaded.max_source_length // 2}.")
+            raise InputError(
+                f"The context is too long: it takes {context_tokens} of the model's "
+                f"{loaded.max_source_length} tokens; keep it under {loaded.max_source_length // 2}."
+            )
         source, dropped = fit_source(context_text, turns, count, loaded.max_source_length)
         # No truncation=True here: it is mutable state of the shared Rust tokenizer, and a
         # concurrent session's count() would see it. Cut by hand, keeping the final </s>.
@@ -347,14 +370,17 @@ class ChatEngine:
     def _generate(self, loaded: LoadedModel, encoded, kwargs: dict, streamer=None) -> torch.Tensor:
         return self._batcher.submit(loaded, encoded, kwargs, streamer).result()
 
-    def reply(self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]) -> tuple[str, Budget]:
+    def reply(
+        self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]
+    ) -> tuple[str, Budget]:
         """The bot's answer to ``message`` given ``conv``; ``conv`` is not modified."""
         loaded, encoded, budget, kwargs = self._prepare(conv, message, settings)
         out = self._generate(loaded, encoded, kwargs)
         return self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget
 
-    def stream(self, conv: Conversation, message: str,
-               settings: GenerationSettings = GENERATION_PRESETS["fast"]) -> Iterator[tuple[str, Budget]]:
+    def stream(
+        self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]
+    ) -> Iterator[tuple[str, Budget]]:
         """Yield the reply so far as it is generated (once, at the end, for beam search).
 
         Bad input raises InputError here, at the call, not at the first ``next()``."""
@@ -377,7 +403,9 @@ class ChatEngine:
         if not text.strip():
             yield "", budget
 
-    def respond(self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]) -> str:
+    def respond(
+        self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]
+    ) -> str:
         """Library convenience: reply and append the exchange to ``conv``."""
         text, _ = self.reply(conv, message, settings)
         conv.turns += [clean_text(message, MAX_MESSAGE_CHARS, "message"), text]

@@ -56,7 +56,7 @@ class NoRepeatNGram(LogitsProcessor):
         if length < self.n:
             return scores
         windows = input_ids.unfold(1, self.n, 1)  # (hyps, length - n + 1, n)
-        tail = input_ids[:, length - self.n + 1:]  # the n-1 tokens the next one would extend
+        tail = input_ids[:, length - self.n + 1 :]  # the n-1 tokens the next one would extend
         matches = (windows[..., :-1] == tail[:, None, :]).all(-1)
         return _ban(scores, matches, windows[..., -1])
 
@@ -87,7 +87,7 @@ class EncoderNoRepeatNGram(LogitsProcessor):
         if self.windows is None or length < self.n - 1:
             return scores
         windows = self._per_hypothesis(input_ids.shape[0]).to(input_ids.device)
-        tail = input_ids[:, length - self.n + 1:]
+        tail = input_ids[:, length - self.n + 1 :]
         matches = (windows[..., :-1] == tail[:, None, :]).all(-1)
         return _ban(scores, matches, windows[..., -1])
 

@@ -26,12 +26,20 @@ _HUB_ID_RE = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
 
 def is_hub_id(text: str, owner: bool = False) -> bool:
     """Does ``text`` look like a Hub repo id ("owner/name", or also "name" unless ``owner``)?"""
-    return (isinstance(text, str) and bool(_HUB_ID_RE.match(text)) and "--" not in text and ".." not in text
-            and (not owner or "/" in text))
+    return (
+        isinstance(text, str)
+        and bool(_HUB_ID_RE.match(text))
+        and "--" not in text
+        and ".." not in text
+        and (not owner or "/" in text)
+    )
 
 
 def list_finals(root: str | Path) -> list[Path]:
     """``RUN/final/`` folders under ``root`` that hold a complete model, newest first."""
-    found = [p.parent for p in Path(root).glob(f"*/{FINAL}/config.json")
-             if (p.parent / "model.safetensors").is_file() or (p.parent / "model.safetensors.index.json").is_file()]
+    found = [
+        p.parent
+        for p in Path(root).glob(f"*/{FINAL}/config.json")
+        if (p.parent / "model.safetensors").is_file() or (p.parent / "model.safetensors.index.json").is_file()
+    ]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)

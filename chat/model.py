@@ -37,13 +37,29 @@ log = logging.getLogger(__name__)
 # Both use a byte-level BPE tokenizer trained on the sample data with BlenderBot's special ids.
 MODEL_PRESETS = {
     # Same architecture, shrunk so CPU training takes minutes (tests, offline demo).
-    "tiny": dict(d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                 decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, dropout=0.1),
+    "tiny": dict(
+        d_model=128,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=512,
+        decoder_ffn_dim=512,
+        dropout=0.1,
+    ),
     # facebook/blenderbot-400M-distill's exact shape with random weights: for timing and
     # memory benchmarks where the Hub is unreachable (its replies are noise).
-    "random-400M": dict(d_model=1280, encoder_layers=2, decoder_layers=12, encoder_attention_heads=32,
-                        decoder_attention_heads=32, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
-                        dropout=0.1, vocab_size=8008),
+    "random-400M": dict(
+        d_model=1280,
+        encoder_layers=2,
+        decoder_layers=12,
+        encoder_attention_heads=32,
+        decoder_attention_heads=32,
+        encoder_ffn_dim=5120,
+        decoder_ffn_dim=5120,
+        dropout=0.1,
+        vocab_size=8008,
+    ),
 }
 MAX_POSITIONS = 128
 TOKENIZER_VOCAB = 2000
@@ -77,8 +93,9 @@ def _train_tokenizer(texts: list[str]) -> BlenderbotTokenizer:
     specials = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
     assert set(specials) == set(SPECIAL_TOKENS)
     bpe = ByteLevelBPETokenizer(add_prefix_space=True)
-    bpe.train_from_iterator(texts, vocab_size=TOKENIZER_VOCAB, min_frequency=2, special_tokens=specials,
-                            show_progress=False)
+    bpe.train_from_iterator(
+        texts, vocab_size=TOKENIZER_VOCAB, min_frequency=2, special_tokens=specials, show_progress=False
+    )
     merges = [tuple(m) for m in json.loads(bpe._tokenizer.to_str())["model"]["merges"]]
     tok = BlenderbotTokenizer(vocab=bpe.get_vocab(), merges=merges, add_prefix_space=True)
     # Like BlenderBot's own tokenizer: every sequence ends with </s>.
@@ -101,16 +118,25 @@ def build_preset(name: str, path: Path, seed: int = 0) -> Path:
     tokenizer = _train_tokenizer(texts)
     shape = {"vocab_size": len(tokenizer), **MODEL_PRESETS[name]}
     config = BlenderbotConfig(
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.bos_token_id,
-        forced_eos_token_id=tokenizer.eos_token_id, max_position_embeddings=MAX_POSITIONS, **shape,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.bos_token_id,
+        forced_eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=MAX_POSITIONS,
+        **shape,
     )
     torch.manual_seed(seed)
     model = BlenderbotForConditionalGeneration(config)
     model.generation_config = GenerationConfig(
-        decoder_start_token_id=config.decoder_start_token_id, bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        forced_eos_token_id=config.eos_token_id, max_length=60, min_length=0, num_beams=1,
+        decoder_start_token_id=config.decoder_start_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        forced_eos_token_id=config.eos_token_id,
+        max_length=60,
+        min_length=0,
+        num_beams=1,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{name}-"))
@@ -195,8 +221,9 @@ def configure_attention(choice: str) -> str:
 def load_model(name_or_path: str, **kwargs) -> BlenderbotForConditionalGeneration:
     path = resolve(name_or_path)
     try:
-        model = BlenderbotForConditionalGeneration.from_pretrained(path, use_safetensors=True,
-                                                                   **hub_options(path), **kwargs)
+        model = BlenderbotForConditionalGeneration.from_pretrained(
+            path, use_safetensors=True, **hub_options(path), **kwargs
+        )
     except (OSError, ValueError) as err:
         raise load_error(path, err) from None
     return model

@@ -129,7 +129,7 @@ def _detach_from_checkpoint_file(model: nn.Module) -> None:
     """
     seen: set[int] = set()
     for module in model.modules():
-        for name, param in module._parameters.items():
+        for param in module._parameters.values():
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
                 param.data = param.data.clone()

@@ -17,7 +17,7 @@ not part of ``build_source``.
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 KINDS = ("persona", "emotion", "task", "topic", "none")
 
@@ -34,10 +34,37 @@ TURN_SEP = " </s> <s> "  # between turns
 
 # The 32 EmpatheticDialogues emotion labels (the values MuDoConv uses after "context: ").
 EMOTIONS = (
-    "afraid", "angry", "annoyed", "anticipating", "anxious", "apprehensive", "ashamed", "caring",
-    "confident", "content", "devastated", "disappointed", "disgusted", "embarrassed", "excited",
-    "faithful", "furious", "grateful", "guilty", "hopeful", "impressed", "jealous", "joyful",
-    "lonely", "nostalgic", "prepared", "proud", "sad", "sentimental", "surprised", "terrified",
+    "afraid",
+    "angry",
+    "annoyed",
+    "anticipating",
+    "anxious",
+    "apprehensive",
+    "ashamed",
+    "caring",
+    "confident",
+    "content",
+    "devastated",
+    "disappointed",
+    "disgusted",
+    "embarrassed",
+    "excited",
+    "faithful",
+    "furious",
+    "grateful",
+    "guilty",
+    "hopeful",
+    "impressed",
+    "jealous",
+    "joyful",
+    "lonely",
+    "nostalgic",
+    "prepared",
+    "proud",
+    "sad",
+    "sentimental",
+    "surprised",
+    "terrified",
     "trusting",
 )
 
@@ -114,10 +141,7 @@ def split_source(source: str) -> tuple[str, list[str]]:
 
 
 def fit_source(
-    context_text: str,
-    turns: Sequence[str],
-    count_tokens: Callable[[str], int],
-    max_tokens: int,
+    context_text: str, turns: Sequence[str], count_tokens: Callable[[str], int], max_tokens: int
 ) -> tuple[str, int]:
     """Fit a source into ``max_tokens`` by dropping the oldest turns first.
 

@@ -17,6 +17,7 @@ import yaml
 
 from chat.layout import DEFAULT_MODEL
 from chat.model import ATTENTION
+
 DEFAULT_DATASET = "smangrul/MuDoConv"
 TRACKERS = ("tensorboard", "wandb", "trackio", "all")
 
@@ -28,29 +29,54 @@ def _doc(text: str, **kw):
 @dataclass
 class TrainConfig:
     # --- model and data
-    model_name_or_path: str = _doc("Hub id, local checkpoint directory, or a preset: 'tiny', 'random-400M' (offline).", default=DEFAULT_MODEL)
+    model_name_or_path: str = _doc(
+        "Hub id, local checkpoint directory, or a preset: 'tiny', 'random-400M' (offline).", default=DEFAULT_MODEL
+    )
     dataset_name: str | None = _doc("Hub dataset id, or 'sample' for the shipped sample data.", default=DEFAULT_DATASET)
-    train_file: str | None = _doc("Local train file (.jsonl/.json/.csv/.parquet); overrides dataset_name.", default=None)
+    train_file: str | None = _doc(
+        "Local train file (.jsonl/.json/.csv/.parquet); overrides dataset_name.", default=None
+    )
     validation_file: str | None = _doc("Local validation file (same formats).", default=None)
-    n_train: int | None = _doc("Use only the first N train rows (seed behaviour, no shuffle before the cut).", default=None)
+    n_train: int | None = _doc(
+        "Use only the first N train rows (seed behaviour, no shuffle before the cut).", default=None
+    )
     n_val: int | None = _doc("Use only the first N validation rows.", default=None)
-    source_prefix: str = _doc("Text prepended to every source at tokenization (the seed used 'chatbot: ').", default="chatbot: ")
+    source_prefix: str = _doc(
+        "Text prepended to every source at tokenization (the seed used 'chatbot: ').", default="chatbot: "
+    )
     max_source_length: int = _doc("Encoder tokens; long dialogues drop their oldest turns to fit.", default=128)
     max_target_length: int = _doc("Label tokens for training.", default=64)
-    val_max_target_length: int | None = _doc("Max generated length at evaluation (default: max_target_length).", default=None)
+    val_max_target_length: int | None = _doc(
+        "Max generated length at evaluation (default: max_target_length).", default=None
+    )
     val_min_target_length: int = _doc("Min generated length at evaluation.", default=20)
     pad_to_max_length: bool = _doc("Pad every batch to the max lengths (seed); default pads per batch.", default=False)
-    attention: str = _doc("Attention kernels: auto (fastest measured), sdpa, eager, sdpa-flash, sdpa-efficient, sdpa-cudnn.", default="auto")
-    group_by_length: bool = _doc("Batch rows of similar length together: less padding, but slower convergence per step on the sample data (docs/benchmarks.md).", default=False)
-    dataloader_num_workers: int | None = _doc("Batch-collating worker processes (default: 2 on GPUs, 0 on CPU).", default=None)
+    attention: str = _doc(
+        "Attention kernels: auto (fastest measured), sdpa, eager, sdpa-flash, sdpa-efficient, sdpa-cudnn.",
+        default="auto",
+    )
+    group_by_length: bool = _doc(
+        "Batch rows of similar length together: less padding, but slower convergence per step on the sample "
+        "data (docs/benchmarks.md).",
+        default=False,
+    )
+    dataloader_num_workers: int | None = _doc(
+        "Batch-collating worker processes (default: 2 on GPUs, 0 on CPU).", default=None
+    )
     # --- evaluation
     num_beams: int = _doc("Beams for evaluation generation.", default=10)
     no_repeat_ngram_size: int = _doc("Evaluation n-gram blocking in the output.", default=3)
     encoder_no_repeat_ngram_size: int = _doc("Evaluation blocking of n-grams copied from the input.", default=3)
     repetition_penalty: float = _doc("Evaluation repetition penalty.", default=1.2)
-    n_val_batch_generations: int = _doc("Evaluation batches whose (prompt, prediction, reference) are logged.", default=5)
-    eval_attention: str = _doc("Attention for evaluation generation: eager (fastest for beam decoding) or sdpa.", default="eager")
-    fast_ngram_blocking: bool = _doc("Tensorized n-gram blocking (same bans as transformers' per-hypothesis loop, far faster).", default=True)
+    n_val_batch_generations: int = _doc(
+        "Evaluation batches whose (prompt, prediction, reference) are logged.", default=5
+    )
+    eval_attention: str = _doc(
+        "Attention for evaluation generation: eager (fastest for beam decoding) or sdpa.", default="eager"
+    )
+    fast_ngram_blocking: bool = _doc(
+        "Tensorized n-gram blocking (same bans as transformers' per-hypothesis loop, far faster).", default=True
+    )
     # --- optimisation
     per_device_train_batch_size: int = _doc("Micro-batch per process.", default=8)
     per_device_eval_batch_size: int = _doc("Evaluation batch per process.", default=8)
@@ -69,11 +95,17 @@ class TrainConfig:
     with_tracking: bool = _doc("Also log to the trackers in report_to.", default=False)
     report_to: str = _doc("Tracker: tensorboard, wandb, trackio or all.", default="tensorboard")
     report_name: str = _doc("Tracker project/run name.", default="blenderbot_finetuning")
-    checkpointing_steps: int | None = _doc("Save full training state every N steps (and at each epoch end).", default=None)
+    checkpointing_steps: int | None = _doc(
+        "Save full training state every N steps (and at each epoch end).", default=None
+    )
     checkpoints_total_limit: int = _doc("Keep this many step checkpoints (older ones are deleted).", default=2)
     resume_from_checkpoint: str | None = _doc("'latest' or a checkpoint directory to continue from.", default=None)
-    profile_dir: str | None = _doc("Write a torch.profiler table of training steps 3-5 (main process) to this folder.", default=None)
-    save_model: bool = _doc("Save the final model to output_dir/final (off only for benchmarks and dry runs).", default=True)
+    profile_dir: str | None = _doc(
+        "Write a torch.profiler table of training steps 3-5 (main process) to this folder.", default=None
+    )
+    save_model: bool = _doc(
+        "Save the final model to output_dir/final (off only for benchmarks and dry runs).", default=True
+    )
     push_to_hub: bool = _doc("Upload the final model to the Hub.", default=False)
     hub_model_id: str | None = _doc("Hub repo 'user/name' for push_to_hub.", default=None)
     hub_private: bool = _doc("Create the Hub repo as private.", default=False)
@@ -83,9 +115,16 @@ class TrainConfig:
             raise ValueError("give --dataset_name or --train_file")
         if (self.train_file is None) != (self.validation_file is None):
             raise ValueError("--train_file and --validation_file go together")
-        for name in ("max_source_length", "max_target_length", "per_device_train_batch_size",
-                     "per_device_eval_batch_size", "num_train_epochs", "gradient_accumulation_steps",
-                     "num_beams", "logging_steps"):
+        for name in (
+            "max_source_length",
+            "max_target_length",
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "num_train_epochs",
+            "gradient_accumulation_steps",
+            "num_beams",
+            "logging_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("n_train", "n_val", "max_train_steps", "checkpointing_steps"):
@@ -143,11 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
         kind = _field_type(f)
         if kind is bool:
             # `--flag` turns it on (seed style); `--flag false` is accepted too.
-            parser.add_argument(f"--{f.name}", nargs="?", const=True, type=_parse_bool,
-                                default=argparse.SUPPRESS, help=f.metadata["help"])
+            parser.add_argument(
+                f"--{f.name}",
+                nargs="?",
+                const=True,
+                type=_parse_bool,
+                default=argparse.SUPPRESS,
+                help=f.metadata["help"],
+            )
         else:
-            parser.add_argument(f"--{f.name}", type=kind, default=argparse.SUPPRESS,
-                                help=f.metadata["help"] + f" (default: {f.default})")
+            parser.add_argument(
+                f"--{f.name}",
+                type=kind,
+                default=argparse.SUPPRESS,
+                help=f.metadata["help"] + f" (default: {f.default})",
+            )
     return parser
 
 

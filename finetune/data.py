@@ -74,8 +74,9 @@ def _read_file(path: str) -> Dataset:
         raise DataError(f"{path}: no such file", file=path)
     loader = LOADERS.get(file.suffix.lower())
     if loader is None:
-        raise DataError(f"{path}: unsupported file type {file.suffix!r} (use .jsonl, .json, .csv or .parquet)",
-                        file=path)
+        raise DataError(
+            f"{path}: unsupported file type {file.suffix!r} (use .jsonl, .json, .csv or .parquet)", file=path
+        )
     if _has_no_rows(file, loader):  # datasets fails on these with cryptic errors (or none at all)
         raise DataError(f"{path}: the file has no rows", file=path)
     try:
@@ -195,8 +196,11 @@ def tokenize(raw: DatasetDict, tokenizer, cfg) -> DatasetDict:
     out = {}
     for split, max_target in (("train", cfg.max_target_length), ("validation", cfg.val_max_target_length)):
         out[split] = raw[split].map(
-            preprocess, batched=True, fn_kwargs={"max_target": max_target},
-            remove_columns=raw[split].column_names, desc=f"tokenizing {split}",
+            preprocess,
+            batched=True,
+            fn_kwargs={"max_target": max_target},
+            remove_columns=raw[split].column_names,
+            desc=f"tokenizing {split}",
         )
     return DatasetDict(out)
 
@@ -231,9 +235,12 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
         size = self.group_size * self.mega
-        order = [i for start in range(0, len(order), size)
-                 for i in sorted(order[start:start + size], key=lambda i: -self.lengths[i])]
-        groups = [order[i:i + self.group_size] for i in range(0, len(order), self.group_size)]
+        order = [
+            i
+            for start in range(0, len(order), size)
+            for i in sorted(order[start : start + size], key=lambda i: -self.lengths[i])
+        ]
+        groups = [order[i : i + self.group_size] for i in range(0, len(order), self.group_size)]
         last = groups.pop() if len(groups[-1]) < self.group_size else None
         groups = [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
         if last:

@@ -80,8 +80,10 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
         predictions += preds
         references += refs
         if step < cfg.n_val_batch_generations:
-            samples += [dict(prompt=p, prediction=y, reference=r)
-                        for p, y, r in zip(_decode(tokenizer, inputs, keep_structure=True), preds, refs)]
+            samples += [
+                dict(prompt=p, prediction=y, reference=r)
+                for p, y, r in zip(_decode(tokenizer, inputs, keep_structure=True), preds, refs)
+            ]
     bleu = sacrebleu.corpus_bleu(predictions, [references]).score
     model.train()
     return dict(

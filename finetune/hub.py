@@ -37,7 +37,9 @@ def hardware() -> str:
 def write_model_card(folder: Path, cfg, results: dict, world_size: int) -> None:
     data = ModelCardData(
         base_model=cfg.model_name_or_path if "/" in cfg.model_name_or_path else None,
-        datasets=[cfg.dataset_name] if cfg.dataset_name and not cfg.train_file and cfg.dataset_name != "sample" else None,
+        datasets=[cfg.dataset_name]
+        if cfg.dataset_name and not cfg.train_file and cfg.dataset_name != "sample"
+        else None,
         library_name="transformers",
         pipeline_tag="text2text-generation",
         tags=["blenderbot", "persona-chat", "deepspeed", "accelerate"],
@@ -53,8 +55,8 @@ def write_model_card(folder: Path, cfg, results: dict, world_size: int) -> None:
 BlenderBot fine-tuned for persona / emotion / task / topic-conditioned chat in the MuDoConv format.
 
 - Base model: `{cfg.model_name_or_path}`
-- Data: `{cfg.train_file or cfg.dataset_name}` ({results.get('train_samples', '?')} training rows)
-- Evaluation: sacreBLEU {bleu if bleu is None else round(bleu, 2)} on {results.get('eval_samples', '?')} validation rows
+- Data: `{cfg.train_file or cfg.dataset_name}` ({results.get("train_samples", "?")} training rows)
+- Evaluation: sacreBLEU {bleu if bleu is None else round(bleu, 2)} on {results.get("eval_samples", "?")} validation rows
   (beams {cfg.num_beams}, min length {cfg.val_min_target_length}, max length {cfg.val_max_target_length})
 - Hardware: {hardware()}, {world_size} process(es)
 - Input format: `{cfg.source_prefix}` + the MuDoConv source (see `training_args.json`)
@@ -81,9 +83,12 @@ def push(folder: Path, repo_id: str, private: bool = False) -> str:
         api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload fine-tuned BlenderBot")
     except Exception as err:  # network, auth, offline mode: all end the same way for the user
         first = str(err).splitlines()[0] if str(err) else ""
-        raise HubError(_scrub(
-            f"could not push {folder} to {repo_id} ({type(err).__name__}: {first}). "
-            "Check the network, HF_TOKEN or `hf auth login`, and the repo name. "
-            f"The local checkpoint in {folder} is intact."
-        ), file=str(folder)) from None
+        raise HubError(
+            _scrub(
+                f"could not push {folder} to {repo_id} ({type(err).__name__}: {first}). "
+                "Check the network, HF_TOKEN or `hf auth login`, and the repo name. "
+                f"The local checkpoint in {folder} is intact."
+            ),
+            file=str(folder),
+        ) from None
     return str(url)

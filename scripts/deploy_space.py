@@ -21,13 +21,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # The one list both the upload and --dry-run use.
 IGNORE_PATTERNS = (
     # development only: the Space runs app.py with chat/, finetune/, webui/, configs/, data/sample/
-    "bench/*", "tests/*", "docs/*", "scripts/*",
+    "bench/*",
+    "tests/*",
+    "docs/*",
+    "scripts/*",
     # written at run time (training runs, files users upload); a Space starts without them
-    "runs/*", "data/uploads/*",
+    "runs/*",
+    "data/uploads/*",
     # hidden files and folders anywhere: .git, .ci, tool caches, virtualenvs, .env secrets
-    ".*", "*/.*",
+    ".*",
+    "*/.*",
     # Python's caches
-    "*__pycache__/*", "*.pyc",
+    "*__pycache__/*",
+    "*.pyc",
 )
 
 
@@ -51,16 +57,27 @@ def deploy(repo_id: str, folder: Path = ROOT, message: str = "Deploy persona-cha
     api = HfApi()
     api.create_repo(repo_id, repo_type="space", space_sdk="gradio", exist_ok=True)
     # Lists, copied: upload_folder extends ignore_patterns in place.
-    commit = api.upload_folder(repo_id=repo_id, repo_type="space", folder_path=folder, commit_message=message,
-                               ignore_patterns=list(IGNORE_PATTERNS), delete_patterns=list(IGNORE_PATTERNS))
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        repo_type="space",
+        folder_path=folder,
+        commit_message=message,
+        ignore_patterns=list(IGNORE_PATTERNS),
+        delete_patterns=list(IGNORE_PATTERNS),
+    )
     return commit.commit_url
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo_id", "--repo-id", required=True, help="the Space, as USER/NAME")
-    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
-                        help="print the files that would be uploaded, and upload nothing")
+    parser.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="print the files that would be uploaded, and upload nothing",
+    )
     parser.add_argument("--message", default="Deploy persona-chat", help="commit message")
     args = parser.parse_args(argv)
     if args.repo_id.count("/") != 1 or not all(args.repo_id.split("/")):

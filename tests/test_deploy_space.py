@@ -24,8 +24,16 @@ def test_dry_run_lists_the_app_and_nothing_else(capsys):
     assert deploy_space.main(["--repo_id", "someone/chat-e", "--dry-run"]) == 0
     listed = capsys.readouterr().out.split()
     assert listed == deploy_space.files_to_upload()
-    for path in ("app.py", "requirements.txt", "README.md", "chat/engine.py", "finetune/config.py",
-                 "webui/auth.py", "configs/ds_zero2.json", "data/sample/train.jsonl"):
+    for path in (
+        "app.py",
+        "requirements.txt",
+        "README.md",
+        "chat/engine.py",
+        "finetune/config.py",
+        "webui/auth.py",
+        "configs/ds_zero2.json",
+        "data/sample/train.jsonl",
+    ):
         assert path in listed
     demo = {f"chat/demo_model/{p.name}" for p in DEMO_DIR.iterdir() if p.is_file()}
     assert "chat/demo_model/model.safetensors" in demo and demo <= set(listed)
@@ -36,9 +44,22 @@ def test_dry_run_lists_the_app_and_nothing_else(capsys):
 
 def test_ignore_patterns_apply_at_any_depth(tmp_path):
     kept = ["app.py", "chat/engine.py", "data/sample/train.jsonl"]
-    dropped = ["bench/chat.py", "tests/test_x.py", "docs/a.md", "scripts/deploy_space.py", "runs/r1/final/x.bin",
-               "data/uploads/u.jsonl", ".git/config", ".ci/run", ".env", "chat/.env.local", "chat/__pycache__/e.pyc",
-               "__pycache__/app.cpython-311.pyc", "stray.pyc", "webui/.cache/huggingface/x"]
+    dropped = [
+        "bench/chat.py",
+        "tests/test_x.py",
+        "docs/a.md",
+        "scripts/deploy_space.py",
+        "runs/r1/final/x.bin",
+        "data/uploads/u.jsonl",
+        ".git/config",
+        ".ci/run",
+        ".env",
+        "chat/.env.local",
+        "chat/__pycache__/e.pyc",
+        "__pycache__/app.cpython-311.pyc",
+        "stray.pyc",
+        "webui/.cache/huggingface/x",
+    ]
     for path in kept + dropped:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("x")

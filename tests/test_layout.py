@@ -18,8 +18,12 @@ ALLOWED = {
     "bench": {"chat", "finetune"},
 }
 # Third-party packages that belong to one layer: the web UI, or training.
-ONLY_IN = {"gradio": {"webui", "app"}, "gradio_client": {"webui", "app"}, "accelerate": {"finetune", "bench"},
-           "deepspeed": {"finetune", "bench"}}
+ONLY_IN = {
+    "gradio": {"webui", "app"},
+    "gradio_client": {"webui", "app"},
+    "accelerate": {"finetune", "bench"},
+    "deepspeed": {"finetune", "bench"},
+}
 MAX_LINES = 500
 
 
@@ -41,7 +45,9 @@ def imported(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize(("part", "path"), sources(), ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else v)
+@pytest.mark.parametrize(
+    ("part", "path"), sources(), ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else v
+)
 def test_imports_go_one_way(part, path):
     names = imported(path)
     ours = names & {*PACKAGES, "app"}
@@ -55,7 +61,9 @@ def test_nothing_imports_the_benchmarks():
     assert users == []
 
 
-@pytest.mark.parametrize(("part", "path"), sources(), ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else v)
+@pytest.mark.parametrize(
+    ("part", "path"), sources(), ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else v
+)
 def test_source_files_stay_short(part, path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines; split it (limit {MAX_LINES})"

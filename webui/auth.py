@@ -121,7 +121,7 @@ class Throttle:
             failures, _ = self._clients.pop(client, (0, 0.0))
             failures += 1
             over = failures - self.max_failures
-            until = time.monotonic() + min(3600.0, self.lockout * 2 ** over) if over >= 0 else 0.0
+            until = time.monotonic() + min(3600.0, self.lockout * 2**over) if over >= 0 else 0.0
             self._clients[client] = (failures, until)
             while len(self._clients) > self.capacity:
                 self._clients.popitem(last=False)
@@ -154,8 +154,10 @@ class AuthConfig:
         oauth = bool(users) and on_space and bool(env.get("OAUTH_CLIENT_ID"))
         problem = None
         if users and not on_space:
-            problem = (f"`{USERS_ENV}` is ignored: Hugging Face login only works on a Space (elsewhere gradio "
-                       f"mocks it); use `{PASSWORD_ENV}` here.")
+            problem = (
+                f"`{USERS_ENV}` is ignored: Hugging Face login only works on a Space (elsewhere gradio "
+                f"mocks it); use `{PASSWORD_ENV}` here."
+            )
         elif users and not oauth:
             problem = f"`{USERS_ENV}` is ignored: add `hf_oauth: true` to the README front matter to enable OAuth."
         if problem:
@@ -183,8 +185,9 @@ def _username(profile) -> str | None:
     """The username of a ``gr.OAuthProfile`` (a dict subclass), if any."""
     if profile is None:
         return None
-    name = getattr(profile, "username", None) or (profile.get("preferred_username") if isinstance(profile, Mapping)
-                                                  else None)
+    name = getattr(profile, "username", None) or (
+        profile.get("preferred_username") if isinstance(profile, Mapping) else None
+    )
     return name if isinstance(name, str) and name else None
 
 
@@ -201,8 +204,10 @@ def who(config: AuthConfig, token: str | None, profile=None) -> str | None:
 def require(config: AuthConfig, token: str | None, profile=None, action: str = "do this") -> str:
     """Who may ``action`` with this login; ``AuthError`` with what to do otherwise."""
     if not config.enabled:
-        raise AuthError(f"Cannot {action}: no login is configured on this server, so training actions are off. "
-                        f"Set {PASSWORD_ENV} (a Space secret) and restart the app.")
+        raise AuthError(
+            f"Cannot {action}: no login is configured on this server, so training actions are off. "
+            f"Set {PASSWORD_ENV} (a Space secret) and restart the app."
+        )
     user = who(config, token, profile)
     if user is None:
         name = _username(profile)
@@ -218,19 +223,25 @@ def login(config: AuthConfig, password: str | None, client: str) -> tuple[str, s
     """Check a typed password from ``client`` (its address); returns a new login token and a
     message for the user."""
     if not config.password:
-        raise AuthError("Password login is not configured on this server." + (
-            " Sign in with Hugging Face instead." if config.oauth else f" Set {PASSWORD_ENV} to enable it."))
+        raise AuthError(
+            "Password login is not configured on this server."
+            + (" Sign in with Hugging Face instead." if config.oauth else f" Set {PASSWORD_ENV} to enable it.")
+        )
     wait = config.throttle.wait_seconds(client)
     if wait > 0:
         log.warning("training login refused for %s: locked out for %.0f s more", client, wait)
         raise AuthError(f"Too many wrong passwords from your address: try again in {wait:.0f} s.")
     attempt = password if isinstance(password, str) else ""
-    if attempt and len(attempt) <= MAX_PASSWORD_CHARS and hmac.compare_digest(
-            attempt.encode(), config.password.encode()):
+    if (
+        attempt
+        and len(attempt) <= MAX_PASSWORD_CHARS
+        and hmac.compare_digest(attempt.encode(), config.password.encode())
+    ):
         config.throttle.succeeded(client)
         log.info("training login (password) from %s", client)
-        return config.logins.issue(), ("✅ Logged in: you can start, stop, resume and push runs, upload data and "
-                                        "switch the served model.")
+        return config.logins.issue(), (
+            "✅ Logged in: you can start, stop, resume and push runs, upload data and switch the served model."
+        )
     config.throttle.failed(client)
     log.warning("training login failed from %s (wrong password)", client)
     raise AuthError("Wrong password.")

@@ -19,8 +19,8 @@ from pathlib import Path
 import gradio as gr
 
 from chat.engine import (
-    MAX_HISTORY_TURNS,
     GENERATION_PRESETS,
+    MAX_HISTORY_TURNS,
     Budget,
     ChatEngine,
     Conversation,
@@ -34,8 +34,13 @@ from finetune.jobs.paths import runs_root
 log = logging.getLogger(__name__)
 
 # (label shown, value sent): the API and the chat function always get a value of KINDS.
-KIND_CHOICES = [("Persona", "persona"), ("Emotion", "emotion"), ("Task goal", "task"), ("Topic", "topic"),
-                ("None", "none")]
+KIND_CHOICES = [
+    ("Persona", "persona"),
+    ("Emotion", "emotion"),
+    ("Task goal", "task"),
+    ("Topic", "topic"),
+    ("None", "none"),
+]
 assert tuple(value for _, value in KIND_CHOICES) == KINDS
 
 PRESET_CHOICES = [("Fast (greedy, streams)", "fast"), ("Faithful (Chat-E: beam 10, min 20 tokens)", "faithful")]
@@ -44,13 +49,14 @@ CHAT_E_PERSONA = "My name is Chat-E. I'm helpful, creative, clever, sarcastic an
 # What the context box holds when the user picks a kind (Chat-E's own examples where it had one).
 # Chat-E used "happy" for emotion, which is not one of the 32 EmpatheticDialogues labels the
 # model was trained on; "joyful" is the nearest label. "happy" still works (custom value).
-KIND_DEFAULTS = {"persona": CHAT_E_PERSONA, "emotion": "joyful", "task": "vacation ideas", "topic": "jazz",
-                 "none": ""}
-CONTEXT_LABELS = {"persona": ("Persona", "Who the bot is, in a sentence or two."),
-                  "emotion": ("Emotion", "How the bot feels."),
-                  "task": ("Task goal", "What the bot helps with (a domain)."),
-                  "topic": ("Topic", "What the conversation is about."),
-                  "none": ("Context", "No context: the bot chats freely.")}
+KIND_DEFAULTS = {"persona": CHAT_E_PERSONA, "emotion": "joyful", "task": "vacation ideas", "topic": "jazz", "none": ""}
+CONTEXT_LABELS = {
+    "persona": ("Persona", "Who the bot is, in a sentence or two."),
+    "emotion": ("Emotion", "How the bot feels."),
+    "task": ("Task goal", "What the bot helps with (a domain)."),
+    "topic": ("Topic", "What the conversation is about."),
+    "none": ("Context", "No context: the bot chats freely."),
+}
 
 # Examples for every kind (message, kind, context), Chat-E's three first.
 EXAMPLES = [
@@ -91,8 +97,11 @@ def is_notice(message: dict) -> bool:
 
 def notice(text: str) -> dict:
     """A bot-side chat message that tells the user something and is never fed to the model."""
-    return {"role": "assistant", "content": "Nothing was sent to the model.",
-            "metadata": {"title": f"⚠️ {text}", "id": NOTICE_KEY, "status": "done"}}
+    return {
+        "role": "assistant",
+        "content": "Nothing was sent to the model.",
+        "metadata": {"title": f"⚠️ {text}", "id": NOTICE_KEY, "status": "done"},
+    }
 
 
 def history_to_turns(history) -> list[str]:
@@ -103,8 +112,10 @@ def history_to_turns(history) -> list[str]:
     answer, consecutive bot messages are joined, and system messages and files are ignored.
     """
     if isinstance(history, (list, tuple)) and len(history) > 2 * MAX_HISTORY_TURNS:  # bounded work up front
-        raise InputError(f"The conversation is too long ({len(history)} messages; the limit is "
-                         f"{MAX_HISTORY_TURNS} turns). Start a new chat.")
+        raise InputError(
+            f"The conversation is too long ({len(history)} messages; the limit is "
+            f"{MAX_HISTORY_TURNS} turns). Start a new chat."
+        )
     turns: list[str] = []
     pending: str | None = None  # a user message waiting for its reply
     last_role = None
@@ -180,8 +191,12 @@ def _setting_value(name: str, value, kind: type):
         if not isinstance(value, bool):
             raise InputError(f"Setting {name} must be true or false.")
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or (kind is int and value != int(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (kind is int and value != int(value))
+    ):
         raise InputError(f"Setting {name} must be {'an integer' if kind is int else 'a number'}.")
     return kind(value)
 
@@ -197,13 +212,17 @@ def settings_from_api(preset: str = "fast", overrides: dict | None = None) -> Ge
     if unknown:
         raise InputError(f"Unknown settings {', '.join(unknown)}; known: {', '.join(SETTING_FIELDS)}.")
     for name, value in overrides.items():
-        overrides[name] = _setting_value(name, value, int if name == "seed" else type(getattr(GENERATION_PRESETS[preset], name)))
+        overrides[name] = _setting_value(
+            name, value, int if name == "seed" else type(getattr(GENERATION_PRESETS[preset], name))
+        )
     if overrides.get("seed") == 0:
         overrides["seed"] = None
     if overrides.get("seed") is not None and not 0 < overrides["seed"] <= SEED_MAX:
         raise InputError(f"seed must be between 0 (random) and {SEED_MAX}")
     if "max_new_tokens" in overrides and "min_new_tokens" not in overrides:
-        overrides["min_new_tokens"] = max(0, min(GENERATION_PRESETS[preset].min_new_tokens, overrides["max_new_tokens"]))
+        overrides["min_new_tokens"] = max(
+            0, min(GENERATION_PRESETS[preset].min_new_tokens, overrides["max_new_tokens"])
+        )
     try:
         return replace(GENERATION_PRESETS[preset], **overrides)
     except InputError:
@@ -217,9 +236,11 @@ def meter_text(budget: Budget | None) -> str:
     if budget is None:
         return "Token budget: shown after the first reply."
     dropped = budget.dropped_turns
-    return (f"context {budget.context_tokens} + history {budget.history_tokens} = "
-            f"{budget.total_tokens} / {budget.max_tokens} tokens; "
-            f"{dropped} old turn{'' if dropped == 1 else 's'} dropped")
+    return (
+        f"context {budget.context_tokens} + history {budget.history_tokens} = "
+        f"{budget.total_tokens} / {budget.max_tokens} tokens; "
+        f"{dropped} old turn{'' if dropped == 1 else 's'} dropped"
+    )
 
 
 # --------------------------------------------------------------------------- context control
@@ -235,8 +256,11 @@ def context_for_kind(kind: str, context: str) -> str:
     if kind == "none":
         return context
     if kind == "emotion":
-        return context if context and len(context.split()) <= 3 and context not in KIND_DEFAULTS.values() else \
-            KIND_DEFAULTS["emotion"]
+        return (
+            context
+            if context and len(context.split()) <= 3 and context not in KIND_DEFAULTS.values()
+            else KIND_DEFAULTS["emotion"]
+        )
     if not context or context in KIND_DEFAULTS.values() or context in EMOTIONS:
         return KIND_DEFAULTS[kind]
     return context
@@ -246,8 +270,10 @@ def context_visibility(kind: str) -> tuple[dict, dict]:
     """(context textbox update, emotion dropdown update) for ``kind``: the dropdown replaces the
     textbox for emotions, and kind ``none`` shows neither."""
     label, info = CONTEXT_LABELS.get(kind, CONTEXT_LABELS["none"])
-    return (gr.update(visible=kind not in ("emotion", "none"), label=label, info=info),
-            gr.update(visible=kind == "emotion"))
+    return (
+        gr.update(visible=kind not in ("emotion", "none"), label=label, info=info),
+        gr.update(visible=kind == "emotion"),
+    )
 
 
 # --------------------------------------------------------------------------- chat
@@ -256,8 +282,19 @@ def context_visibility(kind: str) -> tuple[dict, dict]:
 def chat_fn(engine: ChatEngine):
     """The ``gr.ChatInterface`` function: yields (reply so far, token meter)."""
 
-    def respond(message, history, kind="none", context="", preset="fast", beams=None, sample=None,
-                temperature=None, top_p=None, max_new_tokens=None, seed=0):
+    def respond(
+        message,
+        history,
+        kind="none",
+        context="",
+        preset="fast",
+        beams=None,
+        sample=None,
+        temperature=None,
+        top_p=None,
+        max_new_tokens=None,
+        seed=0,
+    ):
         try:
             settings = settings_from_inputs(preset, beams, sample, temperature, top_p, max_new_tokens, seed)
             conv = Conversation(kind or "none", context or "", history_to_turns(history))
@@ -280,8 +317,14 @@ def chat_fn(engine: ChatEngine):
 def api_chat_fn(engine: ChatEngine):
     """The public ``/chat`` endpoint: stateless, returns (streams) the reply text."""
 
-    def chat(message: str, kind: str = "none", context: str = "", preset: str = "fast",
-             history: list[str] | None = None, settings: dict | None = None) -> str:
+    def chat(
+        message: str,
+        kind: str = "none",
+        context: str = "",
+        preset: str = "fast",
+        history: list[str] | None = None,
+        settings: dict | None = None,
+    ) -> str:
         """Reply to `message` as the bot described by `kind` and `context`.
 
         Args:
@@ -324,7 +367,7 @@ def serving_markdown(engine: ChatEngine) -> str:
     detail = f"input: prefix `{loaded.prefix.strip() or '(none)'}`, up to {loaded.max_source_length} tokens"
     if engine.status.startswith("offline"):
         status = engine.status[0].upper() + engine.status[1:]
-        return (f"⚠️ **{status}.** Its replies show that the pipeline works, not chat quality. ({detail})")
+        return f"⚠️ **{status}.** Its replies show that the pipeline works, not chat quality. ({detail})"
     return f"✅ **Serving {model_label(loaded.name)}** ({detail})"
 
 
@@ -340,8 +383,9 @@ def _checkpoint_label(final: Path) -> str:
     return label + time.strftime(" · %Y-%m-%d %H:%M", time.localtime(final.stat().st_mtime))
 
 
-def picker_choices(root: Path | str | None = None, base: str | None = None,
-                  current: str | None = None) -> list[tuple[str, str]]:
+def picker_choices(
+    root: Path | str | None = None, base: str | None = None, current: str | None = None
+) -> list[tuple[str, str]]:
     """The model picker's (label, spec) choices: base model, demo model, finished checkpoints
     (newest first), and the model being served if it is none of those."""
     base = base or base_model()
@@ -353,8 +397,11 @@ def picker_choices(root: Path | str | None = None, base: str | None = None,
         if key not in seen:
             seen.add(key)
             unique.append((label, spec))
-    if current and current not in {spec for _, spec in unique} and \
-            (not Path(current).exists() or str(Path(current).resolve()) not in seen):
+    if (
+        current
+        and current not in {spec for _, spec in unique}
+        and (not Path(current).exists() or str(Path(current).resolve()) not in seen)
+    ):
         unique.insert(0, (f"{model_label(current)} (serving)", current))
     return unique
 
@@ -363,8 +410,9 @@ def current_choice(engine: ChatEngine, choices: list[tuple[str, str]]) -> str | 
     """The picker value that names the model being served."""
     name = engine.current.name
     for _, spec in choices:
-        if spec == name or (Path(spec).exists() and Path(name).exists()
-                            and Path(spec).resolve() == Path(name).resolve()):
+        if spec == name or (
+            Path(spec).exists() and Path(name).exists() and Path(spec).resolve() == Path(name).resolve()
+        ):
             return spec
     return None
 

@@ -48,17 +48,39 @@ SAMPLES_SHOWN = 5
 DATA_SOURCES = [("Shipped sample (offline)", "sample"), ("Hub dataset", "hub"), ("Uploaded file", "upload")]
 UPLOAD_TYPES = (".jsonl", ".json", ".csv", ".parquet")  # finetune.data.LOADERS
 STRATEGY_CHOICES = [("DeepSpeed ZeRO-2", "zero2"), ("ZeRO-3 + CPU offload", "zero3_offload"), ("DDP", "ddp")]
-PRECISION_CHOICES = [("auto (bf16 if the GPU has it, else fp16)", "auto"), ("bf16", "bf16"), ("fp16", "fp16"),
-                     ("fp32", "fp32")]
+PRECISION_CHOICES = [
+    ("auto (bf16 if the GPU has it, else fp16)", "auto"),
+    ("bf16", "bf16"),
+    ("fp16", "fp16"),
+    ("fp32", "fp32"),
+]
 
 # The form's inputs: TrainConfig's and JobSpec's names, plus where the data comes from. The one
 # list of them: the tab passes its components to the handlers by these names, and API clients
 # send the values in this order.
 DATA_FIELDS = ("data_source", "hub_dataset")
-FORM_FIELDS = ("model_name_or_path", *DATA_FIELDS, "n_train", "n_val", "num_train_epochs", "learning_rate",
-               "per_device_train_batch_size", "per_device_eval_batch_size", "max_source_length", "max_target_length",
-               "source_prefix", "strategy", "precision", "num_gpus", "checkpointing_steps", "logging_steps",
-               "num_beams", "push_to_hub", "hub_model_id", "hub_private")
+FORM_FIELDS = (
+    "model_name_or_path",
+    *DATA_FIELDS,
+    "n_train",
+    "n_val",
+    "num_train_epochs",
+    "learning_rate",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "max_source_length",
+    "max_target_length",
+    "source_prefix",
+    "strategy",
+    "precision",
+    "num_gpus",
+    "checkpointing_steps",
+    "logging_steps",
+    "num_beams",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_private",
+)
 LAUNCH_FIELDS = tuple(f.name for f in fields(JobSpec) if f.name in FORM_FIELDS)
 # Numbers where the form's 0 (or empty) means the CLI's None: all rows, a checkpoint each epoch.
 ZERO_IS_NONE = ("n_train", "n_val", "checkpointing_steps")
@@ -117,18 +139,24 @@ def explained(action: str):
 
 def hardware_note(gpus: int) -> str:
     if gpus:
-        return (f"🖥️ {gpus} GPU{'s' if gpus > 1 else ''} visible: runs use them with the chosen strategy "
-                "(ZeRO-2 by default).")
-    return ("🐢 **No GPU on this machine.** Real training (the 400M model) needs a GPU: on a Hugging Face Space, "
-            "pick GPU hardware under **Settings → Space hardware**. Here, runs of the `tiny` model (or continuing a "
-            "finished run) are allowed: they train on the CPU with DeepSpeed ZeRO-2 in a minute or two and show "
-            "the pipeline works, not chat quality.")
+        return (
+            f"🖥️ {gpus} GPU{'s' if gpus > 1 else ''} visible: runs use them with the chosen strategy "
+            "(ZeRO-2 by default)."
+        )
+    return (
+        "🐢 **No GPU on this machine.** Real training (the 400M model) needs a GPU: on a Hugging Face Space, "
+        "pick GPU hardware under **Settings → Space hardware**. Here, runs of the `tiny` model (or continuing a "
+        "finished run) are allowed: they train on the CPU with DeepSpeed ZeRO-2 in a minute or two and show "
+        "the pipeline works, not chat quality."
+    )
 
 
 def base_model_choices(tab: TrainTab) -> list[tuple[str, str]]:
     """Base models for a run: the tiny preset, the 400M model, and every finished run."""
-    choices = [("tiny (a small BlenderBot built from the sample; CPU-friendly)", "tiny"),
-               (f"{DEFAULT_MODEL} (400M)", DEFAULT_MODEL)]
+    choices = [
+        ("tiny (a small BlenderBot built from the sample; CPU-friendly)", "tiny"),
+        (f"{DEFAULT_MODEL} (400M)", DEFAULT_MODEL),
+    ]
     choices += [(f"continue from run {label}", path) for label, path in tab.manager.finished_runs()]
     return choices
 
@@ -140,8 +168,14 @@ def default_form(tab: TrainTab) -> dict:
     config = app_config(model, dataset_name="sample")
     values = {name: getattr(config, name) for name in FORM_FIELDS if hasattr(config, name)}
     launch = {f.name: f.default for f in fields(JobSpec) if f.name in LAUNCH_FIELDS}
-    return {**values, **launch, "num_gpus": tab.gpus, "data_source": "sample", "hub_dataset": DEFAULT_DATASET,
-            "hub_model_id": config.hub_model_id or ""}
+    return {
+        **values,
+        **launch,
+        "num_gpus": tab.gpus,
+        "data_source": "sample",
+        "hub_dataset": DEFAULT_DATASET,
+        "hub_model_id": config.hub_model_id or "",
+    }
 
 
 def learning_rate_for(model: str | None) -> float:
@@ -175,20 +209,27 @@ def spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> J
     clear message otherwise. Settings the form does not show keep the CLI's defaults."""
     if set(values) != set(FORM_FIELDS):
         missing, unknown = sorted(set(FORM_FIELDS) - set(values)), sorted(set(values) - set(FORM_FIELDS))
-        raise ValueError(f"the form's fields are {', '.join(FORM_FIELDS)}; missing: {', '.join(missing) or '-'}, "
-                         f"unknown: {', '.join(unknown) or '-'}")
+        raise ValueError(
+            f"the form's fields are {', '.join(FORM_FIELDS)}; missing: {', '.join(missing) or '-'}, "
+            f"unknown: {', '.join(unknown) or '-'}"
+        )
     data, split_train_file = _data(values, uploads)
     settings = {name: value for name, value in values.items() if name not in (*DATA_FIELDS, *LAUNCH_FIELDS)}
     settings.update({name: None for name in ZERO_IS_NONE if settings[name] in (None, "", 0)})
-    spec = JobSpec(make_config(**settings, **data), split_train_file=split_train_file,
-                   **{name: values[name] for name in LAUNCH_FIELDS})
+    spec = JobSpec(
+        make_config(**settings, **data),
+        split_train_file=split_train_file,
+        **{name: values[name] for name in LAUNCH_FIELDS},
+    )
     model = spec.config.model_name_or_path
     if spec.num_gpus > tab.gpus:
         raise ValueError(f"{spec.num_gpus} GPU(s) asked for, {tab.gpus} visible on this machine")
     if spec.num_gpus == 0 and model != "tiny" and not Path(model).is_absolute():
         # the 400M model on a (shared, 2-core) CPU would take hours and starve the chat
-        raise ValueError(f"training {model} needs a GPU (on a Space: GPU hardware). On the CPU only the "
-                         "`tiny` model, or continuing a finished run, is allowed here; the README's CLI runs any.")
+        raise ValueError(
+            f"training {model} needs a GPU (on a Space: GPU hardware). On the CPU only the "
+            "`tiny` model, or continuing a finished run, is allowed here; the README's CLI runs any."
+        )
     return spec
 
 
@@ -196,8 +237,7 @@ def form_inputs(components: Mapping) -> dict:
     """The form's components by FORM_FIELDS name and in its order (gradio's ``inputs_kwargs``);
     a missing or unknown name is a bug in the tab."""
     if set(components) != set(FORM_FIELDS):
-        raise ValueError(f"the form's components must be named {', '.join(FORM_FIELDS)}; "
-                         f"got {', '.join(components)}")
+        raise ValueError(f"the form's components must be named {', '.join(FORM_FIELDS)}; got {', '.join(components)}")
     return {name: components[name] for name in FORM_FIELDS}
 
 
@@ -205,16 +245,22 @@ def show_command(tab: TrainTab, uploads: Uploads | None, values: Mapping) -> str
     """The exact command Start would run (with a placeholder for the new run's folder)."""
     with explained("show the command"):
         spec = spec_from_form(tab, values, uploads)
-        return ("# run from the repository root; the app runs this argument list without a shell\n"
-                + tab.manager.command_preview(spec))
+        return (
+            "# run from the repository root; the app runs this argument list without a shell\n"
+            + tab.manager.command_preview(spec)
+        )
 
 
 # --------------------------------------------------------------------------- uploads
 
 
 def preview_markdown(name: str, rows: int, preview: list[str]) -> str:
-    lines = [(f"✅ **{name}**: {rows} rows, valid. The encoder input of the first rows, exactly as the model "
-              "reads it (before long dialogues are shortened to fit):")]
+    lines = [
+        (
+            f"✅ **{name}**: {rows} rows, valid. The encoder input of the first rows, exactly as the model "
+            "reads it (before long dialogues are shortened to fit):"
+        )
+    ]
     lines += [f"\n```text\n{text}\n```" for text in preview]
     return "\n".join(lines)
 
@@ -226,8 +272,9 @@ def upload_name(file, incoming: Path) -> str:
     return "".join(c for c in name if c.isprintable())[:120] or "the uploaded file"
 
 
-def accept_upload(tab: TrainTab, token: str | None, profile, uploads: Uploads | None, which: str,
-                  file, source_prefix: str | None) -> tuple[Uploads, str]:
+def accept_upload(
+    tab: TrainTab, token: str | None, profile, uploads: Uploads | None, which: str, file, source_prefix: str | None
+) -> tuple[Uploads, str]:
     """Validate an uploaded train or validation file and copy it into the data root.
 
     Returns the session's new uploads and a preview of its first rows' encoder input. A cleared
@@ -283,8 +330,10 @@ def stop_run(tab: TrainTab, token: str | None, profile) -> str:
             raise ValueError("no run is running")
         status = tab.manager.stop(running.run_id)
         log.info("run %s stop requested (%s)", status.run_id, user)
-        return (f"⏹️ Stopping run **{status.run_id}**: it saves a checkpoint and ends (Resume continues it). "
-                f"If it does not end within {tab.manager.grace_seconds:g} s it is terminated.")
+        return (
+            f"⏹️ Stopping run **{status.run_id}**: it saves a checkpoint and ends (Resume continues it). "
+            f"If it does not end within {tab.manager.grace_seconds:g} s it is terminated."
+        )
 
 
 def resume_run(tab: TrainTab, token: str | None, profile) -> str:
@@ -305,8 +354,10 @@ def push_run(tab: TrainTab, token: str | None, profile, repo_id: str | None, pri
         user = require(tab.auth, token, profile, "push a model to the Hub")
         latest = tab.manager.status()
         if latest.state != "finished":
-            raise ValueError("only a finished run can be pushed" + (
-                f"; run {latest.run_id} is {latest.state}" if latest.run_id else ""))
+            raise ValueError(
+                "only a finished run can be pushed"
+                + (f"; run {latest.run_id} is {latest.state}" if latest.run_id else "")
+            )
         url = tab.manager.push(latest.run_id, (repo_id or "").strip(), private=bool(private))
         log.info("run %s pushed to %s (%s)", latest.run_id, url, user)
         gr.Info(f"Pushed to {url}")
@@ -334,8 +385,7 @@ def progress_bar(fraction: float, width: int = 20) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-STATE_ICONS = {"idle": "💤", "running": "🏃", "stopping": "⏳", "stopped": "⏸️", "finished": "✅",
-               "failed": "❌"}
+STATE_ICONS = {"idle": "💤", "running": "🏃", "stopping": "⏳", "stopped": "⏸️", "finished": "✅", "failed": "❌"}
 
 
 def run_markdown(status: RunStatus) -> str:
@@ -344,8 +394,9 @@ def run_markdown(status: RunStatus) -> str:
         return "💤 No run yet. Fill in the form and press **Start** (or **Show command** to run it yourself)."
     lines = [f"{STATE_ICONS.get(status.state, '')} **Run {status.run_id}**: {status.state}"]
     if status.total_steps:
-        lines.append(f"`{progress_bar(status.progress)}` step {status.step} / {status.total_steps} "
-                     f"({status.progress:.0%})")
+        lines.append(
+            f"`{progress_bar(status.progress)}` step {status.step} / {status.total_steps} ({status.progress:.0%})"
+        )
     else:
         lines.append("starting: loading the model and the data…" if status.state == "running" else "")
     facts = []
@@ -362,8 +413,10 @@ def run_markdown(status: RunStatus) -> str:
     if status.error:
         lines.append(f"⚠️ **Error:** {status.error}")
     if status.state == "finished" and status.final_dir:
-        lines.append(f"The model is in `{status.final_dir}`: it is in the Chat tab's **Model** list now; "
-                     "**Push** below sends it to the Hub.")
+        lines.append(
+            f"The model is in `{status.final_dir}`: it is in the Chat tab's **Model** list now; "
+            "**Push** below sends it to the Hub."
+        )
     if status.state in ("stopped", "failed") and status.has_checkpoint:
         lines.append("**Resume** continues it from its last checkpoint.")
     if status.pushed_url:
@@ -380,8 +433,9 @@ def bleu_frame(status: RunStatus) -> pd.DataFrame:
 
 
 def samples_frame(status: RunStatus) -> pd.DataFrame:
-    rows = [{k: str(s.get(k, "")) for k in ("prompt", "prediction", "reference")}
-            for s in status.samples[:SAMPLES_SHOWN]]
+    rows = [
+        {k: str(s.get(k, "")) for k in ("prompt", "prediction", "reference")} for s in status.samples[:SAMPLES_SHOWN]
+    ]
     return pd.DataFrame(rows, columns=["prompt", "prediction", "reference"])
 
 
@@ -396,9 +450,14 @@ def live_view(tab: TrainTab, cache: dict | None, model_updates: Sequence[Callabl
     not flicker and an open dropdown is not reset. ``model_updates`` make the updates of the
     model lists (the Train tab's base model, the Chat tab's picker) when the finished runs change."""
     status = tab.manager.status()
-    values = {"run": run_markdown(status), "loss": loss_frame(status), "bleu": bleu_frame(status),
-              "samples": samples_frame(status), "log": status.log_tail,
-              "finals": tuple(path for _, path in tab.manager.finished_runs())}
+    values = {
+        "run": run_markdown(status),
+        "loss": loss_frame(status),
+        "bleu": bleu_frame(status),
+        "samples": samples_frame(status),
+        "log": status.log_tail,
+        "finals": tuple(path for _, path in tab.manager.finished_runs()),
+    }
     cache = dict(cache or {})
     changed = {}
     for key, value in values.items():

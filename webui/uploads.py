@@ -49,8 +49,9 @@ def upload_folder() -> Path:
     return Path(get_upload_folder())
 
 
-def clean_gradio_uploads(folder: Path | None = None, max_age_s: float = MAX_AGE_S, max_bytes: int = MAX_BYTES,
-                         now: float | None = None) -> Cleaned:
+def clean_gradio_uploads(
+    folder: Path | None = None, max_age_s: float = MAX_AGE_S, max_bytes: int = MAX_BYTES, now: float | None = None
+) -> Cleaned:
     """Remove the files in gradio's upload folder (or ``folder``) last modified over ``max_age_s``
     ago, then the oldest while the rest holds over ``max_bytes``; then empty folders. Symlinks are
     removed as links, never followed."""
@@ -80,13 +81,22 @@ def clean_gradio_uploads(folder: Path | None = None, max_age_s: float = MAX_AGE_
             with contextlib.suppress(OSError):  # refused: not empty (or a symlink), or gone
                 sub.rmdir()
     if out.removed:
-        log.info("removed %d file(s), %.1f MB, from gradio's upload folder %s (%.1f MB left)", out.removed,
-                 out.freed / 2**20, root, out.left / 2**20)
+        log.info(
+            "removed %d file(s), %.1f MB, from gradio's upload folder %s (%.1f MB left)",
+            out.removed,
+            out.freed / 2**20,
+            root,
+            out.left / 2**20,
+        )
     return out
 
 
-def start_cleaner(incoming: Path | None = None, data_root: Path | None = None, every_s: float = CLEAN_EVERY_S,
-                  stop: threading.Event | None = None) -> threading.Thread:
+def start_cleaner(
+    incoming: Path | None = None,
+    data_root: Path | None = None,
+    every_s: float = CLEAN_EVERY_S,
+    stop: threading.Event | None = None,
+) -> threading.Thread:
     """Every ``every_s`` seconds, until ``stop`` is set: clean gradio's upload folder (or
     ``incoming``) and the data root (finetune.jobs.uploads.clean_data_root), in a daemon thread.
     A failed round is logged; the next one runs anyway."""

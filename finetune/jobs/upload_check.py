@@ -23,11 +23,32 @@ log = logging.getLogger(__name__)
 FLAT = ("texts", "labels")
 STRUCTURED = ("kind", "context", "turns", "response")
 # Cells pandas (so datasets, so training) reads from a csv file as missing: they are empty rows there too.
-CSV_NULLS = ["", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>",
-             "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"]
+CSV_NULLS = [
+    "",
+    "#N/A",
+    "#N/A N/A",
+    "#NA",
+    "-1.#IND",
+    "-1.#QNAN",
+    "-NaN",
+    "-nan",
+    "1.#IND",
+    "1.#QNAN",
+    "<NA>",
+    "N/A",
+    "NA",
+    "NULL",
+    "NaN",
+    "None",
+    "n/a",
+    "nan",
+    "null",
+]
 # A csv column whose every value matches is numbers (or booleans) to pandas, not text.
-CSV_NUMBER = (r"^\s*([-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|Inf|INF|infinity|Infinity)"
-              r"|True|TRUE|true|False|FALSE|false)\s*$")
+CSV_NUMBER = (
+    r"^\s*([-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|Inf|INF|infinity|Infinity)"
+    r"|True|TRUE|true|False|FALSE|false)\s*$"
+)
 _WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 PARQUET_BATCH_ROWS = 256  # at most 256 x 2 x 64 KB of text decoded at a time
 
@@ -79,8 +100,10 @@ def main() -> None:
     except _Rejected as err:
         answer = {"error": f"{name}: {err}"}
     except MemoryError:
-        answer = {"error": f"{name}: row {progress[0] + 1}: reading the file needs more than "
-                           f"{_mb(limits['memory_bytes'])} of memory (the limit for checking an upload)"}
+        answer = {
+            "error": f"{name}: row {progress[0] + 1}: reading the file needs more than "
+            f"{_mb(limits['memory_bytes'])} of memory (the limit for checking an upload)"
+        }
     except Exception as err:  # noqa: BLE001 - a parser's own error: the file is not what its name says
         cause = (str(err).splitlines() or [type(err).__name__])[0]
         after = f" after row {progress[0]}" if progress[0] else ""
@@ -125,8 +148,10 @@ def _validated(path: str, limits: dict, progress: list) -> Iterator[tuple[str, s
         raise _Rejected("the file has no rows")
     convert = _flat if set(FLAT) <= columns else _structured if set(STRUCTURED) <= columns else None
     if convert is None:
-        raise _Rejected(f"expected columns 'texts' and 'labels' (or {', '.join(STRUCTURED)}); "
-                        f"found {', '.join(sorted(columns)) or 'none'}")
+        raise _Rejected(
+            f"expected columns 'texts' and 'labels' (or {', '.join(STRUCTURED)}); "
+            f"found {', '.join(sorted(columns)) or 'none'}"
+        )
     total = 0
     for n, row in enumerate(rows, 1):
         if n > limits["rows"]:
@@ -141,8 +166,9 @@ def _validated(path: str, limits: dict, progress: list) -> Iterator[tuple[str, s
                 raise _too_big(n, column, size, limits)
             total += size
         if total > limits["text_bytes"]:
-            raise _Rejected(f"row {n}: the rows so far hold over {_mb(limits['text_bytes'])} of text "
-                            "(the limit for an upload)")
+            raise _Rejected(
+                f"row {n}: the rows so far hold over {_mb(limits['text_bytes'])} of text (the limit for an upload)"
+            )
         progress[0] = n
         yield texts, labels
     if not progress[0]:
@@ -150,8 +176,9 @@ def _validated(path: str, limits: dict, progress: list) -> Iterator[tuple[str, s
 
 
 def _too_big(n: int, column: str, size: int, limits: dict) -> _Rejected:
-    return _Rejected(f"row {n}: column {column!r} is {size:,} bytes; the limit is {limits['cell_bytes']:,} "
-                     "bytes per cell")
+    return _Rejected(
+        f"row {n}: column {column!r} is {size:,} bytes; the limit is {limits['cell_bytes']:,} bytes per cell"
+    )
 
 
 def _flat(row: dict, n: int) -> tuple[str, str]:
@@ -200,8 +227,7 @@ def _json_lines(path: str, limits: dict) -> Iterator[dict]:
             row += 1
             where = f"row {row}" + (f" (line {line_no})" if line_no != row else "")
             if len(line.rstrip(b"\r\n")) > limits["line_bytes"]:
-                raise _Rejected(f"{where}: the line is longer than {_mb(limits['line_bytes'])} "
-                                "(the limit for one row)")
+                raise _Rejected(f"{where}: the line is longer than {_mb(limits['line_bytes'])} (the limit for one row)")
             try:
                 value = json.loads(line)
             except ValueError as err:  # JSONDecodeError, or bytes that are no UTF-8
@@ -215,8 +241,10 @@ def _json_array(path: str, limits: dict) -> Iterator[dict]:
     """One JSON array, parsed whole but decoded one item at a time."""
     size = os.path.getsize(path)
     if size > limits["document_bytes"]:
-        raise _Rejected(f"a .json array is parsed whole; this one is {_mb(size)}, the limit is "
-                        f"{_mb(limits['document_bytes'])} (JSON lines, one object per line, may be larger)")
+        raise _Rejected(
+            f"a .json array is parsed whole; this one is {_mb(size)}, the limit is "
+            f"{_mb(limits['document_bytes'])} (JSON lines, one object per line, may be larger)"
+        )
     text = Path(path).read_bytes().decode("utf-8-sig")
     decoder, pos, row = json.JSONDecoder(), _WS.match(text, _WS.match(text).end() + 1).end(), 0  # past '['
     while not (row == 0 and text.startswith("]", pos)):
@@ -236,7 +264,7 @@ def _json_array(path: str, limits: dict) -> Iterator[dict]:
         if not text.startswith(",", pos):
             raise _Rejected(f"row {row}: not valid JSON (expected ',' or ']' at character {pos})")
         pos = _WS.match(text, pos + 1).end()
-    if text[pos + 1:].strip():
+    if text[pos + 1 :].strip():
         raise _Rejected(f"not valid JSON (extra data after the array, at character {pos + 1})")
 
 
@@ -252,11 +280,16 @@ def _csv_rows(path: str, limits: dict) -> tuple[set, Iterator[dict]]:
     needed = [c for c in (*FLAT, *STRUCTURED) if c in (header or ())]
     if not needed:  # no header (no rows), or not the columns training needs
         return set(header or ()), iter(())
-    options = {"read_options": pacsv.ReadOptions(block_size=limits["line_bytes"], use_threads=False),
-               "parse_options": pacsv.ParseOptions(newlines_in_values=True),
-               "convert_options": pacsv.ConvertOptions(column_types=dict.fromkeys(needed, pa.string()),
-                                                       include_columns=needed, strings_can_be_null=True,
-                                                       null_values=CSV_NULLS)}
+    options = {
+        "read_options": pacsv.ReadOptions(block_size=limits["line_bytes"], use_threads=False),
+        "parse_options": pacsv.ParseOptions(newlines_in_values=True),
+        "convert_options": pacsv.ConvertOptions(
+            column_types=dict.fromkeys(needed, pa.string()),
+            include_columns=needed,
+            strings_can_be_null=True,
+            null_values=CSV_NULLS,
+        ),
+    }
     texts = [c for c in needed if c in (*FLAT, "response")]
     return set(header), _arrow_rows(lambda: _not_numbers(pacsv.open_csv(path, **options), texts), limits)
 
@@ -269,13 +302,18 @@ def _not_numbers(batches: Iterable, columns: list[str]) -> Iterator:
     numeric = dict.fromkeys(columns, True)
     for batch in batches:
         for column in columns:
-            numeric[column] = numeric[column] and pc.all(pc.match_substring_regex(batch.column(column), CSV_NUMBER),
-                                                          skip_nulls=True).as_py() is not False
+            numeric[column] = (
+                numeric[column]
+                and pc.all(pc.match_substring_regex(batch.column(column), CSV_NUMBER), skip_nulls=True).as_py()
+                is not False
+            )
         yield batch
     for column in columns:
         if numeric[column]:
-            raise _Rejected(f"row 1: column {column!r} must be text, got numbers (every value of the column is a "
-                            "number, so training reads it as numbers)")
+            raise _Rejected(
+                f"row 1: column {column!r} must be text, got numbers (every value of the column is a "
+                "number, so training reads it as numbers)"
+            )
 
 
 def _parquet_rows(path: str, limits: dict) -> tuple[set, Iterator[dict]]:
@@ -288,8 +326,9 @@ def _parquet_rows(path: str, limits: dict) -> tuple[set, Iterator[dict]]:
         raise _Rejected(f"row {limits['rows'] + 1}: the file has {claimed:,} rows; the limit is {limits['rows']:,}")
     names = set(file.schema_arrow.names)
     needed = list(FLAT) if set(FLAT) <= names else [c for c in STRUCTURED if c in names]
-    return names, _arrow_rows(lambda: file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=needed,
-                                                        use_threads=False), limits)
+    return names, _arrow_rows(
+        lambda: file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=needed, use_threads=False), limits
+    )
 
 
 def _arrow_rows(open_batches: Callable[[], Iterable], limits: dict) -> Iterator[dict]:
@@ -311,6 +350,7 @@ def _arrow_rows(open_batches: Callable[[], Iterable], limits: dict) -> Iterator[
             done += batch.num_rows
     except pa.ArrowInvalid as err:
         if "straddl" in str(err):  # a csv row longer than a block
-            raise _Rejected(f"row {done + 1} or after: a row is longer than {_mb(limits['line_bytes'])} "
-                            "(the limit for one row)") from None
+            raise _Rejected(
+                f"row {done + 1} or after: a row is longer than {_mb(limits['line_bytes'])} (the limit for one row)"
+            ) from None
         raise

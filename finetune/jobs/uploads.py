@@ -53,9 +53,15 @@ CHECK_CODE = "from finetune.jobs.upload_check import main; main()"
 
 def _limits() -> dict:
     """The limits as the child gets them, read at call time (tests lower them)."""
-    return {"rows": MAX_UPLOAD_ROWS, "text_bytes": MAX_UPLOAD_DECODED_BYTES, "cell_bytes": MAX_UPLOAD_CELL_BYTES,
-            "line_bytes": MAX_UPLOAD_LINE_BYTES, "document_bytes": MAX_JSON_DOCUMENT_BYTES,
-            "memory_bytes": CHECK_MEMORY_BYTES, "seconds": CHECK_SECONDS}
+    return {
+        "rows": MAX_UPLOAD_ROWS,
+        "text_bytes": MAX_UPLOAD_DECODED_BYTES,
+        "cell_bytes": MAX_UPLOAD_CELL_BYTES,
+        "line_bytes": MAX_UPLOAD_LINE_BYTES,
+        "document_bytes": MAX_JSON_DOCUMENT_BYTES,
+        "memory_bytes": CHECK_MEMORY_BYTES,
+        "seconds": CHECK_SECONDS,
+    }
 
 
 def _mb(n: int) -> str:
@@ -76,17 +82,31 @@ def _run_check(path, name: str | None, mode: str, **request) -> dict:
     except OSError:
         raise DataError(f"{name}: no such file", file=str(path)) from None
     if size > MAX_UPLOAD_BYTES:
-        raise DataError(f"{name}: the file is {size / MB:.1f} MB; the limit is {MAX_UPLOAD_BYTES / MB:g} MB",
-                        file=str(path))
+        raise DataError(
+            f"{name}: the file is {size / MB:.1f} MB; the limit is {MAX_UPLOAD_BYTES / MB:g} MB", file=str(path)
+        )
     request = {"mode": mode, "path": str(file.resolve()), "name": name, "limits": limits, **request}
-    env = {**os.environ, "ARROW_DEFAULT_MEMORY_POOL": "system",  # malloc: the address-space cap is what it uses
-           "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "ARROW_DEFAULT_MEMORY_POOL": "system",  # malloc: the address-space cap is what it uses
+        "MALLOC_ARENA_MAX": "2",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONIOENCODING": "utf-8",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
     started = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-c", CHECK_CODE], input=json.dumps(request), capture_output=True,
-                              text=True, encoding="utf-8", env=env, cwd=ROOT, timeout=2 * limits["seconds"],
-                              check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", CHECK_CODE],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            encoding="utf-8",
+            env=env,
+            cwd=ROOT,
+            timeout=2 * limits["seconds"],
+            check=False,
+        )
         answer = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
     except subprocess.TimeoutExpired:
         answer = {"error": f"{name}: checking the file took over {2 * limits['seconds']} s (the limit for an upload)"}
@@ -94,11 +114,19 @@ def _run_check(path, name: str | None, mode: str, **request) -> dict:
         answer = None
     if not isinstance(answer, dict):  # killed: over the CPU limit, or out of memory outside Python
         log.warning("upload check of %s ended with exit code %s: %s", path, done.returncode, done.stderr[-2000:])
-        answer = {"error": f"{name}: the check of the file was stopped (exit code {done.returncode}): reading it "
-                           f"needs more than {_mb(limits['memory_bytes'])} of memory or {limits['seconds']} s "
-                           "(the limits for an upload)"}
-    log.info("upload check (%s) of %s: %s in %.1f s, peak memory %s", mode, path, answer.get("error", "valid"),
-             time.monotonic() - started, _mb(answer.get("peak_bytes") or 0))
+        answer = {
+            "error": f"{name}: the check of the file was stopped (exit code {done.returncode}): reading it "
+            f"needs more than {_mb(limits['memory_bytes'])} of memory or {limits['seconds']} s "
+            "(the limits for an upload)"
+        }
+    log.info(
+        "upload check (%s) of %s: %s in %.1f s, peak memory %s",
+        mode,
+        path,
+        answer.get("error", "valid"),
+        time.monotonic() - started,
+        _mb(answer.get("peak_bytes") or 0),
+    )
     if "error" in answer:
         raise DataError(answer["error"], file=str(path))
     return answer
@@ -120,8 +148,13 @@ def write_split(train_file: str, run_dir: Path, name: str | None = None) -> tupl
     run's data/ folder; returns (train rows, validation rows)."""
     train_path, val_path = split_files(run_dir)
     train_path.parent.mkdir(parents=True, exist_ok=True)
-    answer = _run_check(train_file, name, "split", outputs=[str(train_path.resolve()), str(val_path.resolve())],
-                        fraction=VALIDATION_FRACTION)
+    answer = _run_check(
+        train_file,
+        name,
+        "split",
+        outputs=[str(train_path.resolve()), str(val_path.resolve())],
+        fraction=VALIDATION_FRACTION,
+    )
     return answer["train"], answer["validation"]
 
 
@@ -154,8 +187,12 @@ def referenced_uploads(root: Path | None = None, runs_roots: Iterable[Path] | No
     return names
 
 
-def clean_data_root(root: Path | None = None, runs_roots: Iterable[Path] | None = None,
-                    max_age_s: float = UPLOAD_KEEP_SECONDS, now: float | None = None) -> list[Path]:
+def clean_data_root(
+    root: Path | None = None,
+    runs_roots: Iterable[Path] | None = None,
+    max_age_s: float = UPLOAD_KEEP_SECONDS,
+    now: float | None = None,
+) -> list[Path]:
     """Remove the upload folders under ``root`` (default: the data root) that no run uses and that
     nothing in has changed for ``max_age_s``; returns them. Only folders named as accept_upload
     names them are touched; with a run.json it cannot read, it removes nothing (and logs why)."""
@@ -183,8 +220,9 @@ def clean_data_root(root: Path | None = None, runs_roots: Iterable[Path] | None 
     return removed
 
 
-def ensure_room(size: int, root: Path | None = None, runs_roots: Iterable[Path] | None = None,
-                max_bytes: int | None = None) -> None:
+def ensure_room(
+    size: int, root: Path | None = None, runs_roots: Iterable[Path] | None = None, max_bytes: int | None = None
+) -> None:
     """Refuse (ValueError) to add ``size`` bytes to the data root if it would then hold over MAX_DATA_ROOT_BYTES
     even after removing the uploads no run uses that are over UPLOAD_KEEP_WHEN_FULL_SECONDS old."""
     root = Path(root or data_root())
@@ -195,5 +233,7 @@ def ensure_room(size: int, root: Path | None = None, runs_roots: Iterable[Path] 
     clean_data_root(root, runs_roots, max_age_s=UPLOAD_KEEP_WHEN_FULL_SECONDS)
     used = _tree_bytes(root)
     if used + size > max_bytes:
-        raise ValueError(f"the app's storage for uploads is full ({_mb(used)} of {_mb(max_bytes)} in use, by "
-                         "uploads that runs use or that are under an hour old); try again later")
+        raise ValueError(
+            f"the app's storage for uploads is full ({_mb(used)} of {_mb(max_bytes)} in use, by "
+            "uploads that runs use or that are under an hour old); try again later"
+        )

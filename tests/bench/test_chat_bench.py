@@ -16,8 +16,27 @@ def test_prompt_set_is_multi_turn_and_typed():
 
 def test_bench_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["--model", str(DEMO_DIR), "--optimize", "none,int8", "--prompts", "2", "--repeats", "1",
-                 "--concurrency", "3", "--reply_tokens", "6", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(DEMO_DIR),
+                "--optimize",
+                "none,int8",
+                "--prompts",
+                "2",
+                "--repeats",
+                "1",
+                "--concurrency",
+                "3",
+                "--reply_tokens",
+                "6",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert "real weights" in data["header"]
     assert [r["optimize"] for r in data["results"]] == ["none", "int8"]

@@ -33,7 +33,11 @@ def test_both_chat_benchmarks_use_the_shared_percentile():
 
 def test_md_table_aligns_and_writes_one_line_per_row():
     assert md_table(["run", "rate"], [["a", 1], ["b", 2.5]], align="lr") == [
-        "| run | rate |", "| --- | ---: |", "| a | 1 |", "| b | 2.5 |"]
+        "| run | rate |",
+        "| --- | ---: |",
+        "| a | 1 |",
+        "| b | 2.5 |",
+    ]
 
 
 def test_versions_and_command_line_record_the_run(tmp_path):

@@ -43,8 +43,24 @@ def test_prompts_have_the_prefix_and_the_exact_length():
 def test_smallest_study_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "cv.json"
     threads = torch.get_num_threads()
-    assert cv.main(["--model", str(DEMO_DIR), "--variants", "none,int8@1", "--prompts", "2", "--reply_tokens", "4",
-                    "--no_rss", "--out", str(out)]) == 0
+    assert (
+        cv.main(
+            [
+                "--model",
+                str(DEMO_DIR),
+                "--variants",
+                "none,int8@1",
+                "--prompts",
+                "2",
+                "--reply_tokens",
+                "4",
+                "--no_rss",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert torch.get_num_threads() == threads  # the study gives the thread count back
     data = json.loads(out.read_text())
     rows = {r["variant"]: r for r in data["results"]}

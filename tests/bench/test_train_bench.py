@@ -16,12 +16,18 @@ from finetune.config import parse_args
 
 def _split(argv):
     i = argv.index("finetune")
-    return argv[:i], argv[i + 1:]
+    return argv[:i], argv[i + 1 :]
 
 
-@pytest.mark.parametrize("recipe,strategy,config", [("seed", "zero2", "zero2_seed.yaml"),
-                                                    ("tuned", "zero2", "zero2.yaml"),
-                                                    ("seed", "ddp", "ddp.yaml"), ("tuned", "ddp", "ddp.yaml")])
+@pytest.mark.parametrize(
+    "recipe,strategy,config",
+    [
+        ("seed", "zero2", "zero2_seed.yaml"),
+        ("tuned", "zero2", "zero2.yaml"),
+        ("seed", "ddp", "ddp.yaml"),
+        ("tuned", "ddp", "ddp.yaml"),
+    ],
+)
 def test_gpu_commands_are_the_cli_with_each_recipe(tmp_path, recipe, strategy, config):
     v = train_bench.Variant(recipe, strategy, "fixed", 800, 2, evaluate=True)
     launcher, args = _split(train_bench.command(v, tmp_path, tmp_path / "out", smoke=False))
@@ -54,11 +60,21 @@ def test_max_batch_search_finds_the_largest_fitting_multiple():
 def test_speedups_pair_recipes_of_the_same_setup():
     def result(recipe, data, rate, evaluate=None, n=2):
         v = train_bench.Variant(recipe, "zero2", data, 800, n)
-        return {"name": v.name, "ok": True, "variant": train_bench.asdict(v), "samples_per_second": rate,
-                "eval_seconds": evaluate}
+        return {
+            "name": v.name,
+            "ok": True,
+            "variant": train_bench.asdict(v),
+            "samples_per_second": rate,
+            "eval_seconds": evaluate,
+        }
 
-    runs = [result("seed", "fixed", 100, 30.0), result("tuned", "fixed", 160, 5.0), result("seed", "realistic", 100),
-            result("tuned", "realistic", 350), result("tuned", "fixed", 85, n=1)]
+    runs = [
+        result("seed", "fixed", 100, 30.0),
+        result("tuned", "fixed", 160, 5.0),
+        result("seed", "realistic", 100),
+        result("tuned", "realistic", 350),
+        result("tuned", "fixed", 85, n=1),
+    ]
     got = train_bench.speedups(runs)
     assert got["training samples/s, zero2, fixed"] == pytest.approx(1.6)
     assert got["evaluation, zero2, fixed (seed s / tuned s)"] == pytest.approx(6.0)
@@ -68,8 +84,14 @@ def test_speedups_pair_recipes_of_the_same_setup():
 
 def test_smoke_run_measures_both_recipes(tmp_path, tiny_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "bench.train", "--smoke", "--parts", "train", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.train", "--smoke", "--parts", "train", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
     runs = {r["variant"]["recipe"]: r for r in report["runs"]}
@@ -103,10 +125,13 @@ def test_max_batch_search_needs_few_probes_near_a_good_estimate():
         assert len(tried) <= 6, tried
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--max_batch_setups", "seed-zero3"], "--max_batch_setups takes"),
-    (["--reuse", "no/such/results.json"], "not a readable results.json"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--max_batch_setups", "seed-zero3"], "--max_batch_setups takes"),
+        (["--reuse", "no/such/results.json"], "not a readable results.json"),
+    ],
+)
 def test_bad_max_batch_options_are_refused_before_any_work(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit:
         train_bench.main(["--out", str(tmp_path / "b"), "--parts", "maxbatch", *argv])

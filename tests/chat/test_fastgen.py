@@ -8,10 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
-from transformers.generation.logits_process import (
-    EncoderNoRepeatNGramLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-)
+from transformers.generation.logits_process import EncoderNoRepeatNGramLogitsProcessor, NoRepeatNGramLogitsProcessor
 
 from chat.fastgen import CACHE_KWARG, BeamCache, EncoderNoRepeatNGram, NoRepeatNGram, fast_kwargs
 from chat.model import load_model
@@ -23,8 +20,13 @@ def _ids(draw_seed: int, shape: tuple[int, int], vocab: int) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 4), hyps=st.integers(1, 6), length=st.integers(1, 14), vocab=st.integers(2, 6),
-       seed=st.integers(0, 10_000))
+@given(
+    n=st.integers(1, 4),
+    hyps=st.integers(1, 6),
+    length=st.integers(1, 14),
+    vocab=st.integers(2, 6),
+    seed=st.integers(0, 10_000),
+)
 def test_decoder_blocking_matches_transformers(n, hyps, length, vocab, seed):
     # A tiny vocabulary makes repeated n-grams (the interesting case) common.
     input_ids = _ids(seed, (hyps, length), vocab)
@@ -34,8 +36,15 @@ def test_decoder_blocking_matches_transformers(n, hyps, length, vocab, seed):
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 4), batch=st.integers(1, 3), beams=st.integers(1, 4), src=st.integers(1, 12),
-       length=st.integers(1, 10), vocab=st.integers(2, 6), seed=st.integers(0, 10_000))
+@given(
+    n=st.integers(1, 4),
+    batch=st.integers(1, 3),
+    beams=st.integers(1, 4),
+    src=st.integers(1, 12),
+    length=st.integers(1, 10),
+    vocab=st.integers(2, 6),
+    seed=st.integers(0, 10_000),
+)
 def test_encoder_blocking_matches_transformers(n, batch, beams, src, length, vocab, seed):
     encoder_ids = _ids(seed, (batch, src), vocab)
     input_ids = _ids(seed + 1, (batch * beams, length), vocab)
@@ -71,11 +80,21 @@ def test_fast_kwargs_rewrites_only_the_ngram_rules():
 def test_generate_gives_the_same_sequences(tiny_path, num_beams):
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     model = load_model(tiny_path).eval()
-    batch = tokenizer(["chatbot: hello there, how are you?", "chatbot: your persona: i like jazz. </s>  <s> hi"],
-                      return_tensors="pt", padding=True)
+    batch = tokenizer(
+        ["chatbot: hello there, how are you?", "chatbot: your persona: i like jazz. </s>  <s> hi"],
+        return_tensors="pt",
+        padding=True,
+    )
     # Sampling-free settings in the seed's style, long enough for repeats to be blocked.
-    kwargs = dict(num_beams=num_beams, max_length=40, min_length=30, no_repeat_ngram_size=2,
-                  encoder_no_repeat_ngram_size=2, repetition_penalty=1.2, do_sample=False)
+    kwargs = dict(
+        num_beams=num_beams,
+        max_length=40,
+        min_length=30,
+        no_repeat_ngram_size=2,
+        encoder_no_repeat_ngram_size=2,
+        repetition_penalty=1.2,
+        do_sample=False,
+    )
     torch.manual_seed(0)
     expected = model.generate(**batch, **kwargs)
     got = model.generate(**batch, **fast_kwargs(kwargs, batch["input_ids"]))

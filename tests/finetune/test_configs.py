@@ -27,8 +27,14 @@ def rel(p: Path) -> str:
 # accelerate refuses these accelerate-config fields when a deepspeed_config_file is given
 # (accelerate.utils.dataclasses.DeepSpeedPlugin._deepspeed_config_checks): they belong in the JSON.
 DS_FIELDS_REFUSED_WITH_FILE = {
-    "gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
-    "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path", "zero3_save_16bit_model",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "zero_stage",
+    "offload_optimizer_device",
+    "offload_param_device",
+    "offload_param_nvme_path",
+    "offload_optimizer_nvme_path",
+    "zero3_save_16bit_model",
     "mixed_precision",
 }
 
@@ -60,8 +66,14 @@ def test_every_config_file_is_of_a_known_kind():
 
 def test_the_shipped_configs_are_discovered():
     assert {"ds_zero2.json", "ds_zero2_seed.json", "ds_zero3_offload.json"} <= {p.name for p in DS_JSONS}
-    assert {"cpu_zero2.yaml", "ddp.yaml", "two_machines.yaml", "zero2.yaml", "zero2_seed.yaml", "zero3_offload.yaml"} <= {
-        p.name for p in ACCELERATE_YAMLS}
+    assert {
+        "cpu_zero2.yaml",
+        "ddp.yaml",
+        "two_machines.yaml",
+        "zero2.yaml",
+        "zero2_seed.yaml",
+        "zero3_offload.yaml",
+    } <= {p.name for p in ACCELERATE_YAMLS}
 
 
 # --------------------------------------------------------------------------- DeepSpeed JSONs
@@ -114,8 +126,14 @@ def test_accelerate_builds_a_deepspeed_plugin_from_the_json(path, monkeypatch):
 
 def test_zero2_seed_keeps_the_seed_values():
     cfg = load_json(CONFIGS / "ds_zero2_seed.json")
-    assert cfg["fp16"] == {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 15,
-                           "hysteresis": 2, "min_loss_scale": 1}
+    assert cfg["fp16"] == {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 15,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    }
     assert cfg["optimizer"]["type"] == "AdamW"
     assert cfg["optimizer"]["params"]["torch_adam"] is True
     assert cfg["scheduler"]["type"] == "WarmupDecayLR"
@@ -215,10 +233,19 @@ def test_yaml_rejects_unknown_keys(tmp_path, capsys):
 
 
 def test_cli_overrides_yaml(tmp_path):
-    path = write_yaml(tmp_path, {"learning_rate": 1e-4, "n_train": 10, "per_device_train_batch_size": 4,
-                                 "pad_to_max_length": True, "output_dir": "from-yaml"})
-    cfg = parse_args(["--config", path, "--learning_rate", "3e-5", "--pad_to_max_length", "false",
-                      "--output_dir", "from-cli"])
+    path = write_yaml(
+        tmp_path,
+        {
+            "learning_rate": 1e-4,
+            "n_train": 10,
+            "per_device_train_batch_size": 4,
+            "pad_to_max_length": True,
+            "output_dir": "from-yaml",
+        },
+    )
+    cfg = parse_args(
+        ["--config", path, "--learning_rate", "3e-5", "--pad_to_max_length", "false", "--output_dir", "from-cli"]
+    )
     assert cfg.learning_rate == 3e-5
     assert cfg.pad_to_max_length is False
     assert cfg.output_dir == "from-cli"
@@ -228,22 +255,27 @@ def test_cli_overrides_yaml(tmp_path):
 
 def test_yaml_values_get_the_field_types(tmp_path):
     """YAML reads `5e-5` as a string; it must still mean the float, as on the command line."""
-    path = write_yaml(tmp_path, "learning_rate: 5e-5\nmax_grad_norm: 1\nn_train: 100\npad_to_max_length: yes\n"
-                                "val_max_target_length: null\n")
+    path = write_yaml(
+        tmp_path,
+        "learning_rate: 5e-5\nmax_grad_norm: 1\nn_train: 100\npad_to_max_length: yes\nval_max_target_length: null\n",
+    )
     cfg = parse_args(["--config", path])
     assert cfg.learning_rate == 5e-5 and isinstance(cfg.learning_rate, float)
     assert cfg.max_grad_norm == 1.0 and cfg.n_train == 100 and cfg.pad_to_max_length is True
     assert cfg.val_max_target_length == cfg.max_target_length
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("n_train: abc\n", "n_train"),
-    ("per_device_train_batch_size: 2.5\n", "per_device_train_batch_size"),
-    ("per_device_train_batch_size: true\n", "per_device_train_batch_size"),
-    ("learning_rate: [1]\n", "learning_rate"),
-    ("- learning_rate\n", "mapping"),
-    ("learning_rate: [unclosed\n", "cannot read config"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("n_train: abc\n", "n_train"),
+        ("per_device_train_batch_size: 2.5\n", "per_device_train_batch_size"),
+        ("per_device_train_batch_size: true\n", "per_device_train_batch_size"),
+        ("learning_rate: [1]\n", "learning_rate"),
+        ("- learning_rate\n", "mapping"),
+        ("learning_rate: [unclosed\n", "cannot read config"),
+    ],
+)
 def test_yaml_bad_values_are_reported(text, needle, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--config", write_yaml(tmp_path, text)])
@@ -270,22 +302,28 @@ def test_defaults_are_valid():
     assert parse_args([]).to_dict() == cfg.to_dict()
 
 
-@pytest.mark.parametrize("kwargs, argv, needle", [
-    ({"per_device_train_batch_size": 0}, ["--per_device_train_batch_size", "0"], "per_device_train_batch_size"),
-    ({"per_device_eval_batch_size": -1}, ["--per_device_eval_batch_size", "-1"], "per_device_eval_batch_size"),
-    ({"gradient_accumulation_steps": 0}, ["--gradient_accumulation_steps", "0"], "gradient_accumulation_steps"),
-    ({"max_source_length": 0}, ["--max_source_length", "0"], "max_source_length"),
-    ({"n_train": 0}, ["--n_train", "0"], "n_train"),
-    ({"max_train_steps": 0}, ["--max_train_steps", "0"], "max_train_steps"),
-    ({"learning_rate": 0.0}, ["--learning_rate", "0"], "learning_rate"),
-    ({"push_to_hub": True}, ["--push_to_hub"], "hub_model_id"),
-    ({"hub_model_id": "no-slash"}, ["--hub_model_id", "no-slash"], "hub_model_id"),
-    ({"report_to": "mlflow"}, ["--report_to", "mlflow"], "report_to"),
-    ({"train_file": "t.jsonl"}, ["--train_file", "t.jsonl"], "go together"),
-    ({"dataset_name": None}, None, "dataset_name"),  # None cannot be typed on the command line
-    ({"val_min_target_length": 30, "max_target_length": 20},
-     ["--val_min_target_length", "30", "--max_target_length", "20"], "val_min_target_length"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argv, needle",
+    [
+        ({"per_device_train_batch_size": 0}, ["--per_device_train_batch_size", "0"], "per_device_train_batch_size"),
+        ({"per_device_eval_batch_size": -1}, ["--per_device_eval_batch_size", "-1"], "per_device_eval_batch_size"),
+        ({"gradient_accumulation_steps": 0}, ["--gradient_accumulation_steps", "0"], "gradient_accumulation_steps"),
+        ({"max_source_length": 0}, ["--max_source_length", "0"], "max_source_length"),
+        ({"n_train": 0}, ["--n_train", "0"], "n_train"),
+        ({"max_train_steps": 0}, ["--max_train_steps", "0"], "max_train_steps"),
+        ({"learning_rate": 0.0}, ["--learning_rate", "0"], "learning_rate"),
+        ({"push_to_hub": True}, ["--push_to_hub"], "hub_model_id"),
+        ({"hub_model_id": "no-slash"}, ["--hub_model_id", "no-slash"], "hub_model_id"),
+        ({"report_to": "mlflow"}, ["--report_to", "mlflow"], "report_to"),
+        ({"train_file": "t.jsonl"}, ["--train_file", "t.jsonl"], "go together"),
+        ({"dataset_name": None}, None, "dataset_name"),  # None cannot be typed on the command line
+        (
+            {"val_min_target_length": 30, "max_target_length": 20},
+            ["--val_min_target_length", "30", "--max_target_length", "20"],
+            "val_min_target_length",
+        ),
+    ],
+)
 def test_post_init_rejects_bad_values(kwargs, argv, needle, capsys):
     with pytest.raises(ValueError, match=needle):
         TrainConfig(**kwargs)

@@ -18,8 +18,10 @@ from finetune.train import main
 
 SAMPLE = SAMPLE_DIR
 PREFIX = "chatbot: "
-GOOD = [{"texts": "context: happy  <s> i got the job!", "labels": "congrats!"},
-        {"texts": "hello there. </s> <s> hi! how are you?", "labels": "i am fine."}]
+GOOD = [
+    {"texts": "context: happy  <s> i got the job!", "labels": "congrats!"},
+    {"texts": "hello there. </s> <s> hi! how are you?", "labels": "i am fine."},
+]
 
 
 @pytest.fixture(autouse=True)
@@ -49,8 +51,19 @@ def run_main(caplog, train, val, out, *extra, model="tiny"):
     """The real CLI entry point; returns (exit code, the finetune error records)."""
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        rc = main(["--model_name_or_path", model, "--train_file", str(train), "--validation_file", str(val),
-                   "--output_dir", str(out), *extra])
+        rc = main(
+            [
+                "--model_name_or_path",
+                model,
+                "--train_file",
+                str(train),
+                "--validation_file",
+                str(val),
+                "--output_dir",
+                str(out),
+                *extra,
+            ]
+        )
     errors = [r for r in caplog.records if r.name.startswith("finetune") and r.levelno >= logging.ERROR]
     return rc, errors
 
@@ -93,18 +106,29 @@ NUMBER_LABEL = {  # where a non-string label shows up, per format (csv/parquet c
 
 def bad_cases():
     for ext in (".jsonl", ".csv", ".parquet"):
-        yield pytest.param(ext, [{"texts": "a b"}], ["expected columns 'texts' and 'labels'", "found texts"],
-                           id=f"{ext}-missing-column")
-        yield pytest.param(ext, [{"text": "a", "label": "b"}], ["expected columns 'texts' and 'labels'", "found label, text"],
-                           id=f"{ext}-misnamed-columns")
+        yield pytest.param(
+            ext,
+            [{"texts": "a b"}],
+            ["expected columns 'texts' and 'labels'", "found texts"],
+            id=f"{ext}-missing-column",
+        )
+        yield pytest.param(
+            ext,
+            [{"text": "a", "label": "b"}],
+            ["expected columns 'texts' and 'labels'", "found label, text"],
+            id=f"{ext}-misnamed-columns",
+        )
         rows, row = NUMBER_LABEL[ext]
         yield pytest.param(ext, rows, [row, "'labels' must be text"], id=f"{ext}-number-label")
-        yield pytest.param(ext, [*GOOD, {"texts": "x", "labels": None}], ["row 3", "'labels' is empty"],
-                           id=f"{ext}-null-label")
-        yield pytest.param(ext, [GOOD[0], {"texts": None, "labels": "y"}], ["row 2", "'texts' is empty"],
-                           id=f"{ext}-null-text")
-        yield pytest.param(ext, [GOOD[0], {"texts": "x", "labels": "   "}], ["row 2", "'labels' is empty"],
-                           id=f"{ext}-blank-label")
+        yield pytest.param(
+            ext, [*GOOD, {"texts": "x", "labels": None}], ["row 3", "'labels' is empty"], id=f"{ext}-null-label"
+        )
+        yield pytest.param(
+            ext, [GOOD[0], {"texts": None, "labels": "y"}], ["row 2", "'texts' is empty"], id=f"{ext}-null-text"
+        )
+        yield pytest.param(
+            ext, [GOOD[0], {"texts": "x", "labels": "   "}], ["row 2", "'labels' is empty"], id=f"{ext}-blank-label"
+        )
 
 
 @pytest.mark.parametrize("ext, rows, needles", list(bad_cases()))
@@ -138,17 +162,25 @@ def test_empty_parquet_fails(tmp_path, caplog):
 def test_empty_validation_split_names_the_validation_file(tmp_path, caplog):
     train = write(tmp_path / "train.jsonl", GOOD)
     val = write(tmp_path / "val.csv", raw="texts,labels\n")
-    message = assert_fails_before_training(caplog, tmp_path, train, val, str(val), "no rows", bad=val,
-                                           precreate_out=True)
+    message = assert_fails_before_training(
+        caplog, tmp_path, train, val, str(val), "no rows", bad=val, precreate_out=True
+    )
     assert str(train) not in message
 
 
-@pytest.mark.parametrize("raw, needles", [
-    ('{"texts": "a", "labels": "b"}\n{"texts": "a", labels: "b"}\n', ["row 2", "not valid JSON"]),
-    ('{"texts": "a", "labels": "b"}\n{"texts": "a", "labels": "b"}\n{"texts": "a", "lab', ["row 3", "not valid JSON"]),
-    ('{"texts": "a", "labels": "b"}\n["a", "b"]\n', ["row 2", "expected a JSON object"]),
-    (b'\xff\xfe\x00garbage\x00\n', ["row 1", "not valid JSON"]),
-], ids=["unquoted-key", "truncated-last-line", "array-line", "binary"])
+@pytest.mark.parametrize(
+    "raw, needles",
+    [
+        ('{"texts": "a", "labels": "b"}\n{"texts": "a", labels: "b"}\n', ["row 2", "not valid JSON"]),
+        (
+            '{"texts": "a", "labels": "b"}\n{"texts": "a", "labels": "b"}\n{"texts": "a", "lab',
+            ["row 3", "not valid JSON"],
+        ),
+        ('{"texts": "a", "labels": "b"}\n["a", "b"]\n', ["row 2", "expected a JSON object"]),
+        (b"\xff\xfe\x00garbage\x00\n", ["row 1", "not valid JSON"]),
+    ],
+    ids=["unquoted-key", "truncated-last-line", "array-line", "binary"],
+)
 def test_invalid_json_line(raw, needles, tmp_path, caplog):
     train = write(tmp_path / "train.jsonl", raw=raw)
     assert_fails_before_training(caplog, tmp_path, train, write(tmp_path / "v.jsonl", GOOD), str(train), *needles)
@@ -156,14 +188,16 @@ def test_invalid_json_line(raw, needles, tmp_path, caplog):
 
 def test_corrupt_parquet(tmp_path, caplog):
     train = write(tmp_path / "train.parquet", raw=b"this is not parquet at all")
-    assert_fails_before_training(caplog, tmp_path, train, write(tmp_path / "v.jsonl", GOOD), str(train),
-                                 "cannot read the file")
+    assert_fails_before_training(
+        caplog, tmp_path, train, write(tmp_path / "v.jsonl", GOOD), str(train), "cannot read the file"
+    )
 
 
 def test_missing_file(tmp_path, caplog):
     val = tmp_path / "nope" / "validation.jsonl"
-    assert_fails_before_training(caplog, tmp_path, write(tmp_path / "t.jsonl", GOOD), val, str(val), "no such file",
-                                 bad=val)
+    assert_fails_before_training(
+        caplog, tmp_path, write(tmp_path / "t.jsonl", GOOD), val, str(val), "no such file", bad=val
+    )
 
 
 def test_directory_instead_of_file(tmp_path, caplog):
@@ -185,14 +219,18 @@ def test_unreadable_file(tmp_path, caplog):
 @pytest.mark.parametrize("name", ["train.txt", "train.tsv", "train.jsonl.gz", "train"])
 def test_unsupported_extension(name, tmp_path, caplog):
     train = write(tmp_path / name, raw="texts\tlabels\na\tb\n")
-    assert_fails_before_training(caplog, tmp_path, train, write(tmp_path / "v.jsonl", GOOD), str(train),
-                                 "unsupported file type")
+    assert_fails_before_training(
+        caplog, tmp_path, train, write(tmp_path / "v.jsonl", GOOD), str(train), "unsupported file type"
+    )
 
 
 # --------------------------------------------------------------------------- good files
 
+
 def cfg_for(train, val, *extra):
-    return parse_args(["--model_name_or_path", "tiny", "--train_file", str(train), "--validation_file", str(val), *extra])
+    return parse_args(
+        ["--model_name_or_path", "tiny", "--train_file", str(train), "--validation_file", str(val), *extra]
+    )
 
 
 @pytest.mark.parametrize("ext", [".jsonl", ".csv", ".parquet"])
@@ -206,8 +244,12 @@ def test_flat_files_load_with_exactly_texts_and_labels(ext, tmp_path):
 
 
 STRUCTURED = [
-    {"kind": "persona", "context": "i am a chef.\ni love jazz.", "turns": ["hi!", "hello.", "what do you do?"],
-     "response": "  i cook for a living. "},
+    {
+        "kind": "persona",
+        "context": "i am a chef.\ni love jazz.",
+        "turns": ["hi!", "hello.", "what do you do?"],
+        "response": "  i cook for a living. ",
+    },
     {"kind": "emotion", "context": "happy", "turns": ["i got the job <s> today!"], "response": "congrats!"},
     {"kind": "task", "context": "booking flight", "turns": ["i need a flight."], "response": "where to?"},
     {"kind": "topic", "context": "jazz", "turns": ["tell me about jazz"], "response": "it is from new orleans."},
@@ -220,20 +262,24 @@ def test_structured_rows_go_through_build_source(ext, tmp_path):
     raw = load_raw(cfg_for(write(tmp_path / f"t{ext}", STRUCTURED), write(tmp_path / "v.jsonl", STRUCTURED[:2])))
     assert raw["train"].column_names == ["texts", "labels"]
     assert raw["train"]["texts"] == [build_source(r["kind"], r["context"], r["turns"]) for r in STRUCTURED]
-    assert raw["train"]["texts"][0] == ("your persona: i am a chef. i love jazz. </s>  <s> hi! </s> <s> hello. "
-                                        "</s> <s> what do you do?")
+    assert raw["train"]["texts"][0] == (
+        "your persona: i am a chef. i love jazz. </s>  <s> hi! </s> <s> hello. </s> <s> what do you do?"
+    )
     assert raw["train"]["texts"][1] == "context: happy  <s> i got the job today!"
     assert raw["train"]["labels"] == [r["response"].strip() for r in STRUCTURED]
     assert len(raw["validation"]) == 2
 
 
-@pytest.mark.parametrize("bad, needles", [
-    ({"kind": "chat"}, ["row 2", "unknown kind 'chat'"]),
-    ({"context": ""}, ["row 2", "needs a non-empty context"]),
-    ({"turns": ["hi", " <s> "]}, ["row 2", "turn 2 is empty"]),
-    ({"turns": []}, ["row 2", "turns"]),
-    ({"response": ""}, ["row 2", "'response'"]),
-])
+@pytest.mark.parametrize(
+    "bad, needles",
+    [
+        ({"kind": "chat"}, ["row 2", "unknown kind 'chat'"]),
+        ({"context": ""}, ["row 2", "needs a non-empty context"]),
+        ({"turns": ["hi", " <s> "]}, ["row 2", "turn 2 is empty"]),
+        ({"turns": []}, ["row 2", "turns"]),
+        ({"response": ""}, ["row 2", "'response'"]),
+    ],
+)
 def test_bad_structured_row_is_named(bad, needles, tmp_path, caplog):
     train = write(tmp_path / "train.jsonl", [STRUCTURED[1], {**STRUCTURED[0], **bad}, STRUCTURED[2]])
     assert_fails_before_training(caplog, tmp_path, train, write(tmp_path / "v.jsonl", GOOD), str(train), *needles)
@@ -241,15 +287,21 @@ def test_bad_structured_row_is_named(bad, needles, tmp_path, caplog):
 
 def test_structured_csv_turns_must_be_a_list(tmp_path, caplog):
     train = write(tmp_path / "train.csv", STRUCTURED[:1])  # a csv cell holds the list as text
-    assert_fails_before_training(caplog, tmp_path, train, write(tmp_path / "v.jsonl", GOOD), str(train),
-                                 "row 1", "'turns' must be a list")
+    assert_fails_before_training(
+        caplog, tmp_path, train, write(tmp_path / "v.jsonl", GOOD), str(train), "row 1", "'turns' must be a list"
+    )
 
 
 # --------------------------------------------------------------------------- the shipped sample, n_train / n_val
 
+
 def kind_of(texts: str) -> str:
-    for prefix, kind in (("your persona: ", "persona"), ("context: ", "emotion"), ("domain: ", "task"),
-                         ("topic: ", "topic")):
+    for prefix, kind in (
+        ("your persona: ", "persona"),
+        ("context: ", "emotion"),
+        ("domain: ", "task"),
+        ("topic: ", "topic"),
+    ):
         if texts.startswith(prefix):
             return kind
     assert "  <s> " not in texts
@@ -271,8 +323,9 @@ def first_rows(path: Path, n: int) -> list[dict]:
 
 
 def test_n_train_n_val_take_the_first_rows_in_order():
-    raw = load_raw(parse_args(["--model_name_or_path", "tiny", "--dataset_name", "sample", "--n_train", "7",
-                               "--n_val", "3"]))
+    raw = load_raw(
+        parse_args(["--model_name_or_path", "tiny", "--dataset_name", "sample", "--n_train", "7", "--n_val", "3"])
+    )
     for split, n in (("train", 7), ("validation", 3)):
         expected = first_rows(SAMPLE / f"{split}.jsonl", n)
         assert raw[split]["texts"] == [r["texts"] for r in expected]
@@ -281,8 +334,9 @@ def test_n_train_n_val_take_the_first_rows_in_order():
 
 def test_n_train_larger_than_the_file_keeps_all_rows(tmp_path):
     rows = [{"texts": f"row {i}", "labels": f"label {i}"} for i in range(5)]
-    raw = load_raw(cfg_for(write(tmp_path / "t.jsonl", rows), write(tmp_path / "v.jsonl", rows), "--n_train", "50",
-                           "--n_val", "2"))
+    raw = load_raw(
+        cfg_for(write(tmp_path / "t.jsonl", rows), write(tmp_path / "v.jsonl", rows), "--n_train", "50", "--n_val", "2")
+    )
     assert raw["train"]["texts"] == [r["texts"] for r in rows]
     assert raw["validation"]["texts"] == ["row 0", "row 1"]
 
@@ -298,14 +352,17 @@ def test_n_train_cuts_before_validation(tmp_path, caplog):
 
 # --------------------------------------------------------------------------- tokenization
 
+
 def sample_cfg(*extra):
-    return parse_args(["--model_name_or_path", "tiny", "--dataset_name", "sample", "--n_train", "32", "--n_val", "16",
-                       *extra])
+    return parse_args(
+        ["--model_name_or_path", "tiny", "--dataset_name", "sample", "--n_train", "32", "--n_val", "16", *extra]
+    )
 
 
 def test_pad_to_max_length_pads_labels_with_minus_100(tiny_tokenizer):
-    cfg = sample_cfg("--pad_to_max_length", "--max_source_length", "64", "--max_target_length", "24",
-                     "--val_max_target_length", "32")
+    cfg = sample_cfg(
+        "--pad_to_max_length", "--max_source_length", "64", "--max_target_length", "24", "--val_max_target_length", "32"
+    )
     raw = load_raw(cfg)
     data = tokenize(raw, tiny_tokenizer, cfg)
     pad = tiny_tokenizer.pad_token_id
@@ -357,9 +414,11 @@ def test_long_dialogue_keeps_context_and_newest_turn(tiny_tokenizer):
     ids = data["train"][0]["input_ids"]
     assert len(ids) <= max_src
     # The result is exactly the prefix, the context and the newest turns (the oldest are gone).
-    kept = next(k for k in range(len(turns)) if ids == tiny_tokenizer(PREFIX + join_source(context_text, turns[k:])).input_ids)
+    kept = next(
+        k for k in range(len(turns)) if ids == tiny_tokenizer(PREFIX + join_source(context_text, turns[k:])).input_ids
+    )
     assert 0 < kept < len(turns) - 1
-    assert len(tiny_tokenizer(PREFIX + join_source(context_text, turns[kept - 1:])).input_ids) > max_src
+    assert len(tiny_tokenizer(PREFIX + join_source(context_text, turns[kept - 1 :])).input_ids) > max_src
     text = tiny_tokenizer.decode(ids)
     assert text.strip().startswith(PREFIX + context_text + "  <s> ")
     assert text.endswith("what about you?</s>")
@@ -368,6 +427,7 @@ def test_long_dialogue_keeps_context_and_newest_turn(tiny_tokenizer):
 
 
 # --------------------------------------------------------------------------- bad model id
+
 
 def test_unknown_model_fails_with_a_clear_message(tmp_path, caplog, capsys):
     out = tmp_path / "out"
@@ -387,7 +447,9 @@ def test_unloadable_hub_dataset_is_a_data_error_without_a_file(tmp_path, caplog)
     out = tmp_path / "out"
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        rc = main(["--model_name_or_path", "tiny", "--dataset_name", "nobody/no-such-dataset", "--output_dir", str(out)])
+        rc = main(
+            ["--model_name_or_path", "tiny", "--dataset_name", "nobody/no-such-dataset", "--output_dir", str(out)]
+        )
     assert rc == 1
     errors = [r for r in caplog.records if r.name.startswith("finetune") and r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "nobody/no-such-dataset" in errors[0].getMessage()
@@ -401,7 +463,9 @@ def test_length_grouped_sampler_orders_by_length_and_is_reproducible():
 
     rng = random.Random(0)
     lengths = [rng.randint(5, 200) for _ in range(1003)]
-    sampler = LengthGroupedSampler(lengths, group_size=10, seed=3, mega=5)  # a bigger window than the default, for the test
+    sampler = LengthGroupedSampler(
+        lengths, group_size=10, seed=3, mega=5
+    )  # a bigger window than the default, for the test
     first = list(sampler)
     assert sorted(first) == list(range(len(lengths)))  # every row once per epoch
     assert list(sampler) == first  # the order depends on seed and epoch only (resume relies on it)
@@ -410,7 +474,9 @@ def test_length_grouped_sampler_orders_by_length_and_is_reproducible():
     sampler.set_epoch(0)
 
     def padded(order):  # tokens a batch costs when padded to its longest row
-        return sum(max(lengths[i] for i in order[s:s + 10]) * len(order[s:s + 10]) for s in range(0, len(order), 10))
+        return sum(
+            max(lengths[i] for i in order[s : s + 10]) * len(order[s : s + 10]) for s in range(0, len(order), 10)
+        )
 
     shuffled = list(range(len(lengths)))
     rng.shuffle(shuffled)
@@ -419,5 +485,5 @@ def test_length_grouped_sampler_orders_by_length_and_is_reproducible():
     # Whole groups of 10 come first and the 3 left over last, so the loader's cuts into batches
     # of 10 line up with the groups: every full batch is a sorted run of one mega-batch.
     for s in range(0, 1000, 10):
-        batch = [lengths[i] for i in first[s:s + 10]]
+        batch = [lengths[i] for i in first[s : s + 10]]
         assert batch == sorted(batch, reverse=True)

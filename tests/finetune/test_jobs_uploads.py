@@ -26,8 +26,9 @@ def test_validate_upload(roots):
     assert result["preview"] == [f"chatbot: context: happy  <s> hello number {i}" for i in range(3)]
     assert validate_upload(good, source_prefix="")["preview"][0] == "context: happy  <s> hello number 0"
 
-    structured = write_jsonl(uploads / "s.jsonl", [{"kind": "persona", "context": "i like tea.", "turns": ["hi"],
-                                                     "response": "hello!"}])
+    structured = write_jsonl(
+        uploads / "s.jsonl", [{"kind": "persona", "context": "i like tea.", "turns": ["hi"], "response": "hello!"}]
+    )
     assert validate_upload(structured)["preview"][0].startswith("chatbot: your persona: i like tea.")
 
     bad = write_jsonl(uploads / "bad.jsonl", [*good_rows(2), {"texts": "x", "labels": "  "}])
@@ -57,9 +58,10 @@ def test_uploaded_train_file_alone_is_split(roots, tmp_path):
     cfg = parse_args(launcher_args(build_command(made, run_dir)).training_script_args)
     t, v = Path(cfg.train_file), Path(cfg.validation_file)
     assert t.parent == v.parent == (run_dir / "data").resolve()
-    assert [json.loads(l)["labels"] for l in v.read_text().splitlines()] == ["hi 23!", "hi 24!"]
+    assert [json.loads(line)["labels"] for line in v.read_text().splitlines()] == ["hi 23!", "hi 24!"]
     assert len(t.read_text().splitlines()) == 23 and train.read_text() == "".join(
-        json.dumps(r) + "\n" for r in good_rows(25))  # the upload itself is untouched
+        json.dumps(r) + "\n" for r in good_rows(25)
+    )  # the upload itself is untouched
     with pytest.raises(DataError, match="at least 2"):
         write_split(str(write_jsonl(uploads / "one.jsonl", good_rows(1))), tmp_path / "r2")
 
@@ -88,15 +90,18 @@ def test_clean_data_root_removes_only_old_uploads_no_run_uses(roots):
     unused_young = upload_folder(data, "20240101-000000-dddddd", 23 * HOUR)
     not_an_upload = upload_folder(data, "notes", 72 * HOUR)  # not named as accept_upload names them
     made = spec(split_train_file=str(used / "train.jsonl"))
-    for run_id, run_spec in (("20240102-000000-000001", made.to_dict()),
-                             ("20240102-000000-000002", {"model": "tiny", "train_file": str(used_by_old_run / "x")})):
+    for run_id, run_spec in (
+        ("20240102-000000-000001", made.to_dict()),
+        ("20240102-000000-000002", {"model": "tiny", "train_file": str(used_by_old_run / "x")}),
+    ):
         (runs / run_id).mkdir(parents=True)
         write_info(runs / run_id, {"run_id": run_id, "spec": run_spec})
     assert uploads_module.referenced_uploads(data) == {used.name, used_by_old_run.name}
 
     assert uploads_module.clean_data_root() == [unused_old]
     assert sorted(p.name for p in data.iterdir()) == sorted(
-        p.name for p in (used, used_by_old_run, unused_young, not_an_upload))
+        p.name for p in (used, used_by_old_run, unused_young, not_an_upload)
+    )
     later = time.time() + 2 * HOUR
     assert uploads_module.clean_data_root(now=later) == [unused_young]
 
@@ -111,8 +116,7 @@ def test_ensure_room_cleans_when_full_then_refuses(roots):
     runs, data = roots
     used = upload_folder(data, "20240101-000000-aaaaaa", 72 * HOUR, size=600)
     (runs / "20240102-000000-000001").mkdir(parents=True)
-    write_info(runs / "20240102-000000-000001",
-               {"spec": spec(split_train_file=str(used / "train.jsonl")).to_dict()})
+    write_info(runs / "20240102-000000-000001", {"spec": spec(split_train_file=str(used / "train.jsonl")).to_dict()})
     stale = upload_folder(data, "20240101-000000-bbbbbb", 2 * HOUR, size=300)  # under a day old, over an hour
     fresh = upload_folder(data, "20240101-000000-cccccc", 0.1 * HOUR, size=300)
     ensure_room(300, data, max_bytes=1500)  # fits: nothing removed

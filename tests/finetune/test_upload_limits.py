@@ -19,8 +19,10 @@ from finetune.data import DataError, _read_file, validate
 from finetune.jobs import upload_check, uploads
 from finetune.jobs.uploads import MAX_UPLOAD_DECODED_BYTES, validate_upload
 
-GOOD = [{"texts": "context: happy  <s> i got the job!", "labels": "congrats!"},
-        {"texts": "hello there. </s> <s> hi! how are you?", "labels": "i am fine."}]
+GOOD = [
+    {"texts": "context: happy  <s> i got the job!", "labels": "congrats!"},
+    {"texts": "hello there. </s> <s> hi! how are you?", "labels": "i am fine."},
+]
 
 
 @pytest.fixture(autouse=True)
@@ -47,9 +49,17 @@ def dictionary_bomb(path, rows=450_000, width=1000):
     """A parquet file of a few hundred bytes: every row repeats one dictionary value of ``width``
     characters in both columns, so it decodes to rows x width x 2 bytes of text (0.9 GB)."""
     value = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array(["x" * width]))
-    pq.write_table(pa.table({"texts": value, "labels": value}), path, compression="zstd", compression_level=22,
-                   write_statistics=False, store_schema=False, data_page_size=1 << 30, write_page_index=False,
-                   max_rows_per_page=1 << 20)
+    pq.write_table(
+        pa.table({"texts": value, "labels": value}),
+        path,
+        compression="zstd",
+        compression_level=22,
+        write_statistics=False,
+        store_schema=False,
+        data_page_size=1 << 30,
+        write_page_index=False,
+        max_rows_per_page=1 << 20,
+    )
     return path
 
 
@@ -82,8 +92,15 @@ def measure(paths, tmp_path) -> tuple[list[dict], list[str]]:
     cache = tmp_path / "hf-cache-of-the-checks"
     cache.mkdir()
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", MEASURE, *map(str, paths)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+        check=True,
+    )
     return [json.loads(line) for line in done.stdout.strip().splitlines()], [str(p) for p in cache.rglob("*")]
 
 
@@ -99,7 +116,7 @@ def test_files_huge_once_read_are_refused_quickly_with_little_memory_and_no_cach
     cell_jsonl.write_text(json.dumps({"texts": "x" * 900_000, "labels": "b"}) + "\n")
     expected = {  # each refusal names the file, the row and the limit
         bomb: f"bomb.parquet: row {MAX_UPLOAD_DECODED_BYTES // 2000 + 1}: the rows so far hold over 512 MB of text "
-              "(the limit for an upload)",  # each row holds 2 x 1000 bytes
+        "(the limit for an upload)",  # each row holds 2 x 1000 bytes
         rows_jsonl: "rows.jsonl: row 1000001: more than 1,000,000 rows (the limit for an upload)",
         rows_csv: "rows.csv: row 1000001: more than 1,000,000 rows (the limit for an upload)",
         line_jsonl: "line.jsonl: row 1: the line is longer than 1 MB (the limit for one row)",
@@ -116,18 +133,30 @@ def test_files_huge_once_read_are_refused_quickly_with_little_memory_and_no_cach
 
 def test_a_parquet_files_own_row_count_is_checked_before_reading(tmp_path):
     many = dictionary_bomb(tmp_path / "many.parquet", rows=1_000_001, width=3)
-    with pytest.raises(DataError, match=r"^many\.parquet: row 1000001: the file has 1,000,001 rows; "
-                                        r"the limit is 1,000,000$"):
+    with pytest.raises(
+        DataError,
+        match=r"^many\.parquet: row 1000001: the file has 1,000,001 rows; "
+        r"the limit is 1,000,000$",
+    ):
         validate_upload(many, name="many.parquet")
 
 
 def test_a_huge_parquet_cell_is_refused_by_the_cell_limit_or_the_memory_cap(tmp_path, monkeypatch):
     page = tmp_path / "page.parquet"  # one cell of 100 MB: a few KB compressed, in one plain-encoded page
-    pq.write_table(pa.table({"texts": ["x" * 100_000_000], "labels": ["y"]}), page, compression="zstd",
-                   use_dictionary=False, write_statistics=False, data_page_size=1 << 30)
+    pq.write_table(
+        pa.table({"texts": ["x" * 100_000_000], "labels": ["y"]}),
+        page,
+        compression="zstd",
+        use_dictionary=False,
+        write_statistics=False,
+        data_page_size=1 << 30,
+    )
     assert page.stat().st_size < 100_000
-    with pytest.raises(DataError, match=r"^page\.parquet: row 1: column 'texts' is 100,000,000 bytes; "
-                                        r"the limit is 65,536 bytes per cell$"):
+    with pytest.raises(
+        DataError,
+        match=r"^page\.parquet: row 1: column 'texts' is 100,000,000 bytes; "
+        r"the limit is 65,536 bytes per cell$",
+    ):
         validate_upload(page, name="page.parquet")
     # a file whose pages need more memory than the check may take fails inside the child, not here
     monkeypatch.setattr(uploads, "CHECK_MEMORY_BYTES", 64 * 2**20)
@@ -156,8 +185,11 @@ def test_row_and_text_limits_in_every_format(ext, tmp_path, monkeypatch):
 @pytest.mark.parametrize("ext", [".jsonl", ".json", ".csv", ".parquet"])
 def test_a_cell_over_the_limit_is_refused_in_every_format(ext, tmp_path):
     path = write(tmp_path / f"data{ext}", [*GOOD, {"texts": "a " * 35_000, "labels": "ok"}])
-    with pytest.raises(DataError, match=rf"^data\{ext}: row 3: column 'texts' is 70,000 bytes; the limit is "
-                                        "65,536 bytes per cell$"):
+    with pytest.raises(
+        DataError,
+        match=rf"^data\{ext}: row 3: column 'texts' is 70,000 bytes; the limit is "
+        "65,536 bytes per cell$",
+    ):
         validate_upload(path, name=path.name)
 
 
@@ -183,7 +215,10 @@ def reference(path, prefix="chatbot: "):
 
 
 def test_normal_uploads_check_exactly_as_training_reads_them(tmp_path):
-    assert (upload_check.FLAT, upload_check.STRUCTURED) == (data.FLAT, data.STRUCTURED)  # copied: the check loads no torch
+    assert (upload_check.FLAT, upload_check.STRUCTURED) == (
+        data.FLAT,
+        data.STRUCTURED,
+    )  # copied: the check loads no torch
     sample = SAMPLE_DIR / "train.jsonl"
     expected = reference(sample)
     assert expected["rows"] == 1423
@@ -191,8 +226,10 @@ def test_normal_uploads_check_exactly_as_training_reads_them(tmp_path):
     rows = [json.loads(line) for line in sample.read_text().splitlines()]
     for ext in (".json", ".csv", ".parquet"):
         assert validate_upload(write(tmp_path / f"sample{ext}", rows)) == expected, ext
-    structured = write(tmp_path / "s.jsonl", [{"kind": "persona", "context": "i like tea.", "turns": ["hi", "hello"],
-                                              "response": " hey! "}] * 3)
+    structured = write(
+        tmp_path / "s.jsonl",
+        [{"kind": "persona", "context": "i like tea.", "turns": ["hi", "hello"], "response": " hey! "}] * 3,
+    )
     assert validate_upload(structured, source_prefix="") == reference(structured, "")
     parquet = write(tmp_path / "s.parquet", [json.loads(line) for line in structured.read_text().splitlines()])
     assert validate_upload(parquet) == reference(parquet)
@@ -207,8 +244,11 @@ BAD = {  # file -> what both training and the upload check say (csv/parquet colu
     "null.csv": ([*GOOD, {"texts": "x", "labels": None}], "row 3", "'labels' is empty"),
     "na.csv": ([*GOOD, {"texts": "x", "labels": "NA"}], "row 3", "'labels' is empty"),  # pandas reads NA as missing
     "blank.parquet": ([GOOD[0], {"texts": "x", "labels": "   "}], "row 2", "'labels' is empty"),
-    "turns.jsonl": ([{"kind": "persona", "context": "c", "turns": "hi", "response": "r"}], "row 1",
-                    "'turns' must be a list of strings"),
+    "turns.jsonl": (
+        [{"kind": "persona", "context": "c", "turns": "hi", "response": "r"}],
+        "row 1",
+        "'turns' must be a list of strings",
+    ),
     "empty.jsonl": ([], "the file has no rows"),
 }
 

@@ -25,8 +25,9 @@ class App:
         self.engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
         self.tab = train_handlers.TrainTab.create(auth=config, runs_root=self.runs)
         self.demo = app.build_demo(self.engine, self.tab)
-        _, self.url, _ = self.demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
-                                          quiet=True, **app.LAUNCH_OPTIONS)
+        _, self.url, _ = self.demo.launch(
+            server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **app.LAUNCH_OPTIONS
+        )
 
     def close(self):
         self.demo.close()
@@ -49,8 +50,11 @@ class Caller:
         for endpoint in self.client.endpoints.values():
             endpoint.is_valid = True  # the client-side check only; the server decides
         types = {c["id"]: c.get("type") for c in self.client.config["components"]}
-        self._takes_token = {d["id"] for d in self.client.config["dependencies"]
-                             if d.get("inputs") and types.get(d["inputs"][0]) == "browserstate"}
+        self._takes_token = {
+            d["id"]
+            for d in self.client.config["dependencies"]
+            if d.get("inputs") and types.get(d["inputs"][0]) == "browserstate"
+        }
 
     def __call__(self, api_name: str, *args):
         fn_index = next(d["id"] for d in self.client.config["dependencies"] if d.get("api_name") == api_name)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,9 +27,9 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from chat.engine import (
-    MAX_HISTORY_TURNS,
     DEMO_DIR,
     GENERATION_PRESETS,
+    MAX_HISTORY_TURNS,
     Budget,
     ChatEngine,
     Conversation,
@@ -42,7 +42,13 @@ from chat.prompt import EMOTIONS, KINDS
 from webui import chat_handlers
 
 HELLO = "hi! tell me about yourself."
-CONTEXTS = {"persona": chat_handlers.CHAT_E_PERSONA, "emotion": "joyful", "task": "vacation ideas", "topic": "jazz", "none": ""}
+CONTEXTS = {
+    "persona": chat_handlers.CHAT_E_PERSONA,
+    "emotion": "joyful",
+    "task": "vacation ideas",
+    "topic": "jazz",
+    "none": "",
+}
 
 
 def free_port() -> int:
@@ -80,8 +86,7 @@ def server(engine, tmp_path_factory):
     saved = os.environ.get("PERSONA_CHAT_RUNS")
     os.environ["PERSONA_CHAT_RUNS"] = str(tmp_path_factory.mktemp("no-runs"))
     demo = app.build_demo(engine)
-    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
-                            quiet=True)
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
     yield url
     demo.close()
     if saved is None:
@@ -124,12 +129,18 @@ def test_examples_cover_every_kind_with_chat_e_contexts():
 
 
 def test_history_to_turns_plain_and_gradio_normalized():
-    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"},
-             {"role": "user", "content": "how are you?"}, {"role": "assistant", "content": "fine."}]
+    plain = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello!"},
+        {"role": "user", "content": "how are you?"},
+        {"role": "assistant", "content": "fine."},
+    ]
     assert chat_handlers.history_to_turns(plain) == ["hi", "hello!", "how are you?", "fine."]
     # What gr.Chatbot's preprocess hands over: content is a list of parts, metadata present.
-    normalized = [{"role": m["role"], "metadata": None, "options": None,
-                   "content": [{"type": "text", "text": m["content"]}]} for m in plain]
+    normalized = [
+        {"role": m["role"], "metadata": None, "options": None, "content": [{"type": "text", "text": m["content"]}]}
+        for m in plain
+    ]
     assert chat_handlers.history_to_turns(normalized) == chat_handlers.history_to_turns(plain)
     assert chat_handlers.history_to_turns([]) == [] and chat_handlers.history_to_turns(None) == []
 
@@ -176,12 +187,21 @@ def test_settings_from_inputs_presets_and_overrides():
     assert s.encoder_no_repeat_ngram_size == GENERATION_PRESETS["faithful"].encoder_no_repeat_ngram_size
     assert chat_handlers.settings_from_inputs("fast", 1, False, 0.7, 0.9, 40, None).seed is None
     assert chat_handlers.settings_from_inputs("fast", 1.0, False, 0.7, 0.9, 40.0, 3.0) == GenerationSettings(
-        **{**GENERATION_PRESETS["fast"].__dict__, "seed": 3})
+        **{**GENERATION_PRESETS["fast"].__dict__, "seed": 3}
+    )
 
 
-@pytest.mark.parametrize("args", [("slow", 1, False, 0.7, 0.9, 40, 0), ("fast", 0, False, 0.7, 0.9, 40, 0),
-                                  ("fast", 1, False, 0.7, 0.9, 500, 0), ("fast", 1, True, 9.0, 0.9, 40, 0),
-                                  ("fast", 1, False, 0.7, 0.9, 40, -1), ("fast", "x", False, 0.7, 0.9, 40, 0)])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("slow", 1, False, 0.7, 0.9, 40, 0),
+        ("fast", 0, False, 0.7, 0.9, 40, 0),
+        ("fast", 1, False, 0.7, 0.9, 500, 0),
+        ("fast", 1, True, 9.0, 0.9, 40, 0),
+        ("fast", 1, False, 0.7, 0.9, 40, -1),
+        ("fast", "x", False, 0.7, 0.9, 40, 0),
+    ],
+)
 def test_settings_from_inputs_refuses_bad_values(args):
     with pytest.raises(InputError):
         chat_handlers.settings_from_inputs(*args)
@@ -192,16 +212,27 @@ def test_settings_from_api():
     s = chat_handlers.settings_from_api("faithful", {"num_beams": 2, "max_new_tokens": 8, "seed": 0})
     assert (s.num_beams, s.max_new_tokens, s.min_new_tokens, s.seed) == (2, 8, 8, None)
     assert chat_handlers.settings_from_api("fast", {"temperature": 1, "do_sample": True, "seed": 7.0}).seed == 7
-    for preset, overrides in [("fast", {"beams": 2}), ("nope", None), ("fast", {"num_beams": "many"}),
-                              ("fast", {"top_p": 3}), ("fast", {"num_beams": 2.5}), ("fast", {"do_sample": 1}),
-                              ("fast", {"seed": "abc"}), ("fast", {"seed": -3}), ("fast", {"seed": True}),
-                              ("fast", ["num_beams", 2])]:
+    for preset, overrides in [
+        ("fast", {"beams": 2}),
+        ("nope", None),
+        ("fast", {"num_beams": "many"}),
+        ("fast", {"top_p": 3}),
+        ("fast", {"num_beams": 2.5}),
+        ("fast", {"do_sample": 1}),
+        ("fast", {"seed": "abc"}),
+        ("fast", {"seed": -3}),
+        ("fast", {"seed": True}),
+        ("fast", ["num_beams", 2]),
+    ]:
         with pytest.raises(InputError):
             chat_handlers.settings_from_api(preset, overrides)
 
 
 def test_meter_text():
-    assert chat_handlers.meter_text(Budget(12, 30, 42, 128, 0)) == "context 12 + history 30 = 42 / 128 tokens; 0 old turns dropped"
+    assert (
+        chat_handlers.meter_text(Budget(12, 30, 42, 128, 0))
+        == "context 12 + history 30 = 42 / 128 tokens; 0 old turns dropped"
+    )
     assert chat_handlers.meter_text(Budget(20, 108, 128, 128, 1)).endswith("128 / 128 tokens; 1 old turn dropped")
     assert "after the first reply" in chat_handlers.meter_text(None)
 
@@ -246,8 +277,10 @@ def test_model_choices_lists_base_demo_and_finished_runs_newest_first(tmp_path):
     # A model being served that is none of those (a Hub id typed by a user) is listed first.
     served = chat_handlers.picker_choices(tmp_path, base="b/base", current="user/other")
     assert served[0] == ("user/other (serving)", "user/other") and len(served) == 5
-    assert chat_handlers.picker_choices(tmp_path / "missing", base="b/base", current=str(DEMO_DIR)) == \
-        [("b/base (base model)", "b/base"), ("demo model (tiny, bundled)", str(DEMO_DIR))]
+    assert chat_handlers.picker_choices(tmp_path / "missing", base="b/base", current=str(DEMO_DIR)) == [
+        ("b/base (base model)", "b/base"),
+        ("demo model (tiny, bundled)", str(DEMO_DIR)),
+    ]
 
 
 def test_model_choices_default_base_and_runs_root_from_env(tmp_path, monkeypatch):
@@ -286,7 +319,9 @@ def test_status_markdown(engine, fresh_engine):
 def test_chat_fn_streams_reply_and_meter(engine):
     respond = chat_handlers.chat_fn(engine)
     history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi! how are you?"}]
-    out = list(respond(HELLO, history, "persona", "i love dogs.", "fast", *chat_handlers.preset_values("fast")[:4], 40, 0))
+    out = list(
+        respond(HELLO, history, "persona", "i love dogs.", "fast", *chat_handlers.preset_values("fast")[:4], 40, 0)
+    )
     texts = [t for t, _ in out]
     assert texts[-1] and all(b.startswith(a) for a, b in itertools.pairwise(texts))  # it streams
     expected, budget = engine.reply(Conversation("persona", "i love dogs.", ["hello", "hi! how are you?"]), HELLO)
@@ -298,16 +333,25 @@ def test_chat_fn_refuses_bad_input_without_model_call(fresh_engine, monkeypatch)
     calls = model_calls(fresh_engine, monkeypatch)
     respond = chat_handlers.chat_fn(fresh_engine)
     titles = []
-    for message, kind, context, seed in [("", "none", "", 0), ("   ", "persona", "x", 0), ("hi", "persona", "", 0),
-                                         ("x" * 1001, "none", "", 0), ("hi", "nope", "", 0), ("hi", "none", "", -5)]:
+    for message, kind, context, seed in [
+        ("", "none", "", 0),
+        ("   ", "persona", "x", 0),
+        ("hi", "persona", "", 0),
+        ("x" * 1001, "none", "", 0),
+        ("hi", "nope", "", 0),
+        ("hi", "none", "", -5),
+    ]:
         with pytest.warns(UserWarning):  # gr.Warning outside a request becomes a Python warning
-            (reply, meter), = list(respond(message, [], kind, context, "fast", 1, False, 0.7, 0.9, 40, seed))
+            ((reply, meter),) = list(respond(message, [], kind, context, "fast", 1, False, 0.7, 0.9, 40, seed))
         assert chat_handlers.is_notice(reply) and reply["metadata"]["title"].startswith("⚠️ ")
         assert meter == gr.skip()
         titles.append(reply["metadata"]["title"])
-    assert titles[:4] == ["⚠️ Type a message first.", "⚠️ Type a message first.",
-                          "⚠️ The persona needs a context (e.g. a persona sentence).",
-                          "⚠️ The message is too long (1001 characters; the limit is 1000)."]
+    assert titles[:4] == [
+        "⚠️ Type a message first.",
+        "⚠️ Type a message first.",
+        "⚠️ The persona needs a context (e.g. a persona sentence).",
+        "⚠️ The message is too long (1001 characters; the limit is 1000).",
+    ]
     assert calls == []
     list(respond("ok", [], "none", "", "fast", 1, False, 0.7, 0.9, 40, 0))
     assert calls == [1]
@@ -410,10 +454,17 @@ def test_readme_front_matter_describes_a_gradio_space():
 def test_api_signature(client):
     info = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
     assert list(info) == ["/chat"]
-    params = [(p["parameter_name"], p["parameter_has_default"], p["parameter_default"])
-              for p in info["/chat"]["parameters"]]
-    assert params == [("message", False, None), ("kind", True, "none"), ("context", True, ""),
-                      ("preset", True, "fast"), ("history", True, None), ("settings", True, None)]
+    params = [
+        (p["parameter_name"], p["parameter_has_default"], p["parameter_default"]) for p in info["/chat"]["parameters"]
+    ]
+    assert params == [
+        ("message", False, None),
+        ("kind", True, "none"),
+        ("context", True, ""),
+        ("preset", True, "fast"),
+        ("history", True, None),
+        ("settings", True, None),
+    ]
 
 
 def test_every_kind_replies_through_the_api(client, engine):
@@ -432,10 +483,14 @@ def test_api_streams_and_takes_settings(client, engine):
     outputs = job.outputs()
     assert len(outputs) > 1 and outputs[-1] == final
     assert all(b.startswith(a) for a, b in itertools.pairwise(outputs))
-    beam = client.predict(HELLO, "topic", "jazz", preset="faithful", settings={"num_beams": 3, "max_new_tokens": 12},
-                          api_name="/chat")
-    expected = engine.reply(Conversation("topic", "jazz"), HELLO, chat_handlers.settings_from_api(
-        "faithful", {"num_beams": 3, "max_new_tokens": 12}))[0]
+    beam = client.predict(
+        HELLO, "topic", "jazz", preset="faithful", settings={"num_beams": 3, "max_new_tokens": 12}, api_name="/chat"
+    )
+    expected = engine.reply(
+        Conversation("topic", "jazz"),
+        HELLO,
+        chat_handlers.settings_from_api("faithful", {"num_beams": 3, "max_new_tokens": 12}),
+    )[0]
     assert beam == expected
 
 
@@ -466,8 +521,7 @@ def test_two_clients_conversations_stay_apart(server):
 
     def b_turn():  # one turn of B after each turn of A
         message = next(b_messages)
-        b_history.extend([message, client_b.predict(message, *CONV_B[:2], history=list(b_history),
-                                                    api_name="/chat")])
+        b_history.extend([message, client_b.predict(message, *CONV_B[:2], history=list(b_history), api_name="/chat")])
 
     assert run_conversation(client_a, *CONV_A, step=b_turn) == alone_a
     assert b_history == alone_b
@@ -484,17 +538,20 @@ def test_empty_message_gives_the_friendly_error(client, message):
     assert client.predict("still there?", "none", "", api_name="/chat").strip()  # the app keeps serving
 
 
-@pytest.mark.parametrize("args, kwargs, error", [
-    (("hi", "persona", ""), {}, "needs a context"),
-    (("hi", "villain", "x"), {}, "Unknown kind"),
-    (("x" * 1001, "none", ""), {}, "too long"),
-    (("hi", "none", ""), {"preset": "slow"}, "Unknown preset"),
-    (("hi", "none", ""), {"settings": {"beams": 3}}, "Unknown settings"),
-    (("hi", "none", ""), {"history": "hi"}, "history must be a list"),
-    (("hi", "none", ""), {"settings": {"seed": "abc"}}, "seed must be an integer"),
-    # Refused by generate() (until GenerationSettings checks it): a readable error either way, no hang.
-    (("hi", "none", ""), {"settings": {"repetition_penalty": -1.0}}, "(?i)penalty"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, error",
+    [
+        (("hi", "persona", ""), {}, "needs a context"),
+        (("hi", "villain", "x"), {}, "Unknown kind"),
+        (("x" * 1001, "none", ""), {}, "too long"),
+        (("hi", "none", ""), {"preset": "slow"}, "Unknown preset"),
+        (("hi", "none", ""), {"settings": {"beams": 3}}, "Unknown settings"),
+        (("hi", "none", ""), {"history": "hi"}, "history must be a list"),
+        (("hi", "none", ""), {"settings": {"seed": "abc"}}, "seed must be an integer"),
+        # Refused by generate() (until GenerationSettings checks it): a readable error either way, no hang.
+        (("hi", "none", ""), {"settings": {"repetition_penalty": -1.0}}, "(?i)penalty"),
+    ],
+)
 def test_refused_input_is_explained(client, args, kwargs, error):
     with pytest.raises(AppError, match=error):
         client.predict(*args, **kwargs, api_name="/chat")
@@ -516,11 +573,18 @@ def start_app_py(tmp_path, **env_changes) -> tuple[float, list[str]]:
     it serves the demo model with its notice and answers /chat, and what it printed."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("CHAT_MODEL", "PERSONA_CHAT_RUNS", "HF_HUB_OFFLINE")}
-    env.update(HF_HOME=str(tmp_path / "hf"), GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
-               GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1", **env_changes)
+    env.update(
+        HF_HOME=str(tmp_path / "hf"),
+        GRADIO_SERVER_NAME="127.0.0.1",
+        GRADIO_SERVER_PORT=str(port),
+        GRADIO_ANALYTICS_ENABLED="False",
+        PYTHONUNBUFFERED="1",
+        **env_changes,
+    )
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}/"
@@ -535,8 +599,12 @@ def start_app_py(tmp_path, **env_changes) -> tuple[float, list[str]]:
                 time.sleep(0.25)
         ready = time.perf_counter() - started
         values = [c.get("props", {}).get("value") for c in config["components"]]
-        assert any(isinstance(v, str) and v.startswith("⚠️ **Offline: using the demo model")
-                   and "instead of facebook/blenderbot-400M-distill" in v for v in values)
+        assert any(
+            isinstance(v, str)
+            and v.startswith("⚠️ **Offline: using the demo model")
+            and "instead of facebook/blenderbot-400M-distill" in v
+            for v in values
+        )
         assert Client(url, verbose=False).predict("hi!", "none", "", api_name="/chat").strip()
         return ready, list(lines)
     finally:

@@ -45,19 +45,32 @@ def open_app(tmp_path_factory):
 
 def run_form(tab, **changes) -> list:
     """The form's values in FORM_FIELDS order: how an API client sends them."""
-    values = {**train_handlers.default_form(tab), "n_train": 96, "n_val": 8, "num_train_epochs": 1,
-              "per_device_train_batch_size": 8, "per_device_eval_batch_size": 8, "num_beams": 1, "logging_steps": 1,
-              **changes}
+    values = {
+        **train_handlers.default_form(tab),
+        "n_train": 96,
+        "n_val": 8,
+        "num_train_epochs": 1,
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 8,
+        "num_beams": 1,
+        "logging_steps": 1,
+        **changes,
+    }
     assert set(values) == set(train_handlers.FORM_FIELDS)
     return [values[name] for name in train_handlers.FORM_FIELDS]
 
 
 def guarded_calls(served: App, upload: Path) -> dict:
     """Every action that needs a login, with valid arguments."""
-    return {"train_start": run_form(served.tab), "train_stop": [], "train_resume": [],
-            "train_push": ["someone/chat", False], "train_upload_train": [handle_file(str(upload)), "chatbot: "],
-            "train_upload_validation": [handle_file(str(upload)), "chatbot: "],
-            "load_model": [str(DEMO_DIR), ""]}
+    return {
+        "train_start": run_form(served.tab),
+        "train_stop": [],
+        "train_resume": [],
+        "train_push": ["someone/chat", False],
+        "train_upload_train": [handle_file(str(upload)), "chatbot: "],
+        "train_upload_validation": [handle_file(str(upload)), "chatbot: "],
+        "load_model": [str(DEMO_DIR), ""],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +151,9 @@ def test_uploads_over_the_limit_are_refused_by_gradio(locked, tmp_path):
     with open(big, "wb") as fh:
         fh.truncate(MAX_UPLOAD_BYTES + 1)
     with open(big, "rb") as fh:
-        response = httpx.post(locked.url.rstrip("/") + "/gradio_api/upload", files={"files": ("big.jsonl", fh)},
-                              timeout=60)
+        response = httpx.post(
+            locked.url.rstrip("/") + "/gradio_api/upload", files={"files": ("big.jsonl", fh)}, timeout=60
+        )
     assert response.status_code == 413, response.text
 
 

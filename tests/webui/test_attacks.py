@@ -8,7 +8,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import psutil
@@ -40,8 +39,11 @@ def fn_index(app: App, api_name: str) -> int:
 def run_predict(http: httpx.Client, fn: int, data: list, client: str | None = None, session: str | None = None):
     """One unqueued event as a browser sends it (login, page load)."""
     headers = {"x-forwarded-for": client} if client else {}
-    return http.post("gradio_api/run/predict", headers=headers,
-                     json={"fn_index": fn, "data": data, "session_hash": session or uuid.uuid4().hex[:11]})
+    return http.post(
+        "gradio_api/run/predict",
+        headers=headers,
+        json={"fn_index": fn, "data": data, "session_hash": session or uuid.uuid4().hex[:11]},
+    )
 
 
 def chat_latencies(app: App, n: int) -> list[float]:
@@ -80,8 +82,7 @@ def test_a_wrong_password_flood_neither_fills_the_queue_nor_locks_out_the_traine
     messages = [str(r.get("error") or "") for r in refused]
     assert sum("Too many wrong passwords" in m for m in messages) >= len(refused) - auth.MAX_FAILURES
     with capsys.disabled():
-        print(f"\nchat median {alone:.3f} s alone, {statistics.median(under):.3f} s during "
-              f"{len(refused)} wrong logins")
+        print(f"\nchat median {alone:.3f} s alone, {statistics.median(under):.3f} s during {len(refused)} wrong logins")
     assert statistics.median(under) < alone * 5 + 1.0  # before: 13 of 18 calls failed with "Queue is full"
 
 
@@ -101,8 +102,10 @@ def test_huge_histories_are_refused_at_once_and_chat_goes_on(app, capsys):
         under = chat_latencies(app, 6)
         refused_in = list(attacks)
     with capsys.disabled():
-        print(f"\n8 requests of {len(history)} turns refused in {max(refused_in):.2f} s at most; chat median "
-              f"{alone:.3f} s alone, {statistics.median(under):.3f} s meanwhile")
+        print(
+            f"\n8 requests of {len(history)} turns refused in {max(refused_in):.2f} s at most; chat median "
+            f"{alone:.3f} s alone, {statistics.median(under):.3f} s meanwhile"
+        )
     assert max(refused_in) < 10  # 4,000 turns used to take 46-88 s each and fill every slot
     assert statistics.median(under) < alone * 5 + 1.0
 
@@ -131,8 +134,9 @@ def test_malformed_api_calls_get_a_reason_not_null(app):
     base = app.url.rstrip("/")
     for data in (["hi"], [], ["hi", "none", "", "fast", 5, None], ["hi \ud800", "none", "", "fast", None, None]):
         body = json.dumps({"data": data})  # ASCII JSON: a lone surrogate travels as "\\ud800", as from a browser
-        event = httpx.post(base + "/gradio_api/call/chat", content=body, timeout=30,
-                           headers={"content-type": "application/json"}).json()["event_id"]
+        event = httpx.post(
+            base + "/gradio_api/call/chat", content=body, timeout=30, headers={"content-type": "application/json"}
+        ).json()["event_id"]
         text = httpx.get(base + f"/gradio_api/call/chat/{event}", timeout=60).text
         assert '"error": null' not in text, (data, text)
         if data and data[0].startswith("hi \ud800"):

@@ -15,8 +15,14 @@ PASSWORD = "correct horse battery staple"
 
 def hf_profile(username: str) -> gr.OAuthProfile:
     """What gradio injects for a signed-in Hugging Face user (built from the OpenID userinfo)."""
-    return gr.OAuthProfile({"preferred_username": username, "name": username.title(), "picture": "",
-                            "profile": f"https://huggingface.co/{username}"})
+    return gr.OAuthProfile(
+        {
+            "preferred_username": username,
+            "name": username.title(),
+            "picture": "",
+            "profile": f"https://huggingface.co/{username}",
+        }
+    )
 
 
 class FakeRequest:

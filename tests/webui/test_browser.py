@@ -27,7 +27,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(
     sync_playwright is None or not CHROMIUM.exists(),
     reason="browser test needs Playwright (`pip install playwright`) and Debian's chromium (/usr/bin/chromium, "
-           "`apt-get install chromium`); .ci/run installs both",
+    "`apt-get install chromium`); .ci/run installs both",
 )
 
 PASSWORD = "browser-test-password"
@@ -104,8 +104,14 @@ def test_chat_train_and_serve_the_new_model(served, page):
     expect(page.locator("#train-auth")).to_contain_text("Logged in")
 
     # ---- a tiny run: 1200 rows, batch 8 on 2 processes = 75 steps, a loss point every step
-    for elem_id, value in (("train-n-train", STEPS * 16), ("train-n-val", 8), ("train-epochs", 1), ("train-batch", 8),
-                           ("train-logging", 1), ("train-beams", 1)):
+    for elem_id, value in (
+        ("train-n-train", STEPS * 16),
+        ("train-n-val", 8),
+        ("train-epochs", 1),
+        ("train-batch", 8),
+        ("train-logging", 1),
+        ("train-beams", 1),
+    ):
         fill(page, elem_id, value)
     page.locator("#train-show-command").click()
     expect(page.locator("#train-command")).to_contain_text(f"--n_train {STEPS * 16}")

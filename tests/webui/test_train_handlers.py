@@ -41,8 +41,13 @@ def tab(tmp_path, monkeypatch):
     monkeypatch.setenv("PERSONA_CHAT_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("PERSONA_CHAT_DATA", str(data))
     (tmp_path / "incoming").mkdir()
-    return train_handlers.TrainTab(manager=RunManager(tmp_path / "runs"), auth=AuthConfig(password=PASSWORD), gpus=0,
-                             data_root=data, incoming=tmp_path / "incoming")
+    return train_handlers.TrainTab(
+        manager=RunManager(tmp_path / "runs"),
+        auth=AuthConfig(password=PASSWORD),
+        gpus=0,
+        data_root=data,
+        incoming=tmp_path / "incoming",
+    )
 
 
 def logged_in(tab) -> str:
@@ -58,8 +63,12 @@ def form(tab, **changes) -> dict:
 
 
 def write_rows(path: Path, n: int) -> Path:
-    path.write_text("".join(json.dumps({"texts": f"context: happy  <s> hello number {i}", "labels": f"hi {i}!"}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps({"texts": f"context: happy  <s> hello number {i}", "labels": f"hi {i}!"}) + "\n"
+            for i in range(n)
+        )
+    )
     return path
 
 
@@ -70,8 +79,13 @@ def test_default_form_is_a_valid_tiny_cpu_run(tab):
     values = train_handlers.default_form(tab)
     assert set(values) == set(train_handlers.FORM_FIELDS)
     assert values["model_name_or_path"] == "tiny" and values["num_gpus"] == 0 and values["learning_rate"] == 1e-3
-    assert (values["num_train_epochs"], values["per_device_train_batch_size"], values["per_device_eval_batch_size"],
-            values["num_beams"], values["logging_steps"]) == (3, 16, 32, 4, 10)  # the app's preset
+    assert (
+        values["num_train_epochs"],
+        values["per_device_train_batch_size"],
+        values["per_device_eval_batch_size"],
+        values["num_beams"],
+        values["logging_steps"],
+    ) == (3, 16, 32, 4, 10)  # the app's preset
     spec = train_handlers.spec_from_form(tab, form(tab), None)
     assert spec == JobSpec(app_config("tiny", dataset_name="sample"))
     gpu_tab = train_handlers.TrainTab(manager=tab.manager, auth=tab.auth, gpus=2)
@@ -83,41 +97,74 @@ def test_default_form_is_a_valid_tiny_cpu_run(tab):
 
 def test_spec_from_form_maps_every_field(tab):
     values = form(
-        tab, data_source="hub", hub_dataset="smangrul/MuDoConv", n_train=100.0, n_val=0, num_train_epochs=2.0,
-        learning_rate=3e-4, per_device_train_batch_size=4, per_device_eval_batch_size=8, max_source_length=64,
-        max_target_length=16, source_prefix="", checkpointing_steps=5, logging_steps=2, num_beams=1,
-        push_to_hub=True, hub_model_id=" me/chat ", hub_private=True)
+        tab,
+        data_source="hub",
+        hub_dataset="smangrul/MuDoConv",
+        n_train=100.0,
+        n_val=0,
+        num_train_epochs=2.0,
+        learning_rate=3e-4,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        max_source_length=64,
+        max_target_length=16,
+        source_prefix="",
+        checkpointing_steps=5,
+        logging_steps=2,
+        num_beams=1,
+        push_to_hub=True,
+        hub_model_id=" me/chat ",
+        hub_private=True,
+    )
     spec = train_handlers.spec_from_form(tab, values, None)
-    config = TrainConfig(model_name_or_path="tiny", dataset_name="smangrul/MuDoConv", n_train=100, n_val=None,
-                         num_train_epochs=2, learning_rate=3e-4, per_device_train_batch_size=4,
-                         per_device_eval_batch_size=8, max_source_length=64, max_target_length=16,
-                         val_min_target_length=16, source_prefix="", checkpointing_steps=5, logging_steps=2,
-                         num_beams=1, push_to_hub=True, hub_model_id="me/chat", hub_private=True)
+    config = TrainConfig(
+        model_name_or_path="tiny",
+        dataset_name="smangrul/MuDoConv",
+        n_train=100,
+        n_val=None,
+        num_train_epochs=2,
+        learning_rate=3e-4,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        max_source_length=64,
+        max_target_length=16,
+        val_min_target_length=16,
+        source_prefix="",
+        checkpointing_steps=5,
+        logging_steps=2,
+        num_beams=1,
+        push_to_hub=True,
+        hub_model_id="me/chat",
+        hub_private=True,
+    )
     assert spec == JobSpec(config, strategy="zero2", precision="auto", num_gpus=0)
     # every form field is a TrainConfig or JobSpec field, or says where the data comes from
     names = {f.name for f in dataclasses.fields(TrainConfig)} | {f.name for f in dataclasses.fields(JobSpec)}
     assert set(train_handlers.FORM_FIELDS) - names == set(train_handlers.DATA_FIELDS)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"data_source": "ftp"}, "data source must be one of"),
-    ({"data_source": "upload"}, "upload a training file first"),
-    ({"data_source": "hub", "hub_dataset": " "}, "type a Hub dataset id"),
-    ({"data_source": "hub", "hub_dataset": "/etc/passwd"}, "outside the allowed folders"),
-    ({"data_source": "hub", "hub_dataset": "../../etc"}, "outside the allowed folders"),
-    ({"model_name_or_path": "/etc"}, "outside the allowed folders"),
-    ({"model_name_or_path": ""}, "model is required"),
-    ({"model_name_or_path": DEFAULT_MODEL}, "needs a GPU .* only the `tiny` model"),
-    ({"model_name_or_path": "random-400M"}, "needs a GPU"),
-    ({"num_gpus": 1}, r"1 GPU\(s\) asked for, 0 visible"),
-    ({"strategy": "ddp"}, "needs GPUs"),
-    ({"precision": "fp16"}, "needs GPUs"),
-    ({"num_train_epochs": 0}, "num_train_epochs must be >= 1"),
-    ({"num_train_epochs": 1.5}, "whole number"),
-    ({"learning_rate": None}, "learning_rate is required"),
-    ({"push_to_hub": True}, "push_to_hub needs --hub_model_id"),
-    ({"hub_model_id": "not a repo"}, "user/name"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"data_source": "ftp"}, "data source must be one of"),
+        ({"data_source": "upload"}, "upload a training file first"),
+        ({"data_source": "hub", "hub_dataset": " "}, "type a Hub dataset id"),
+        ({"data_source": "hub", "hub_dataset": "/etc/passwd"}, "outside the allowed folders"),
+        ({"data_source": "hub", "hub_dataset": "../../etc"}, "outside the allowed folders"),
+        ({"model_name_or_path": "/etc"}, "outside the allowed folders"),
+        ({"model_name_or_path": ""}, "model is required"),
+        ({"model_name_or_path": DEFAULT_MODEL}, "needs a GPU .* only the `tiny` model"),
+        ({"model_name_or_path": "random-400M"}, "needs a GPU"),
+        ({"num_gpus": 1}, r"1 GPU\(s\) asked for, 0 visible"),
+        ({"strategy": "ddp"}, "needs GPUs"),
+        ({"precision": "fp16"}, "needs GPUs"),
+        ({"num_train_epochs": 0}, "num_train_epochs must be >= 1"),
+        ({"num_train_epochs": 1.5}, "whole number"),
+        ({"learning_rate": None}, "learning_rate is required"),
+        ({"push_to_hub": True}, "push_to_hub needs --hub_model_id"),
+        ({"hub_model_id": "not a repo"}, "user/name"),
+    ],
+)
 def test_spec_from_form_refuses_with_a_clear_message(tab, changes, message):
     with pytest.raises(ValueError, match=message):
         train_handlers.spec_from_form(tab, form(tab, **changes), None)
@@ -141,7 +188,10 @@ def test_show_command_is_the_run_managers_command_and_needs_no_login(tab):
     spec = train_handlers.spec_from_form(tab, values, None)
     expected = tab.manager.command_preview(spec)
     port = "--main_process_port"
-    strip = lambda text: [w for w in text.split() if not w.isdigit()]  # the port is fresh each time
+
+    def strip(text):  # the port is fresh each time
+        return [w for w in text.split() if not w.isdigit()]
+
     assert strip(shown.splitlines()[-1]) == strip(expected) and port in shown
     assert "-m finetune --model_name_or_path tiny --dataset_name sample --n_train 50" in shown
     with pytest.raises(gr.Error, match="upload a training file first"):
@@ -203,7 +253,9 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
     with pytest.raises(gr.Error, match="not uploaded through this app"):
         train_handlers.accept_upload(tab, session, None, None, "train", str(outside), "")
     with pytest.raises(gr.Error, match="not uploaded through this app"):
-        train_handlers.accept_upload(tab, session, None, None, "train", str(tab.incoming / ".." / "elsewhere.jsonl"), "")
+        train_handlers.accept_upload(
+            tab, session, None, None, "train", str(tab.incoming / ".." / "elsewhere.jsonl"), ""
+        )
     big = write_rows(tab.incoming / "big.jsonl", 200)
     monkeypatch.setattr(jobs_uploads, "MAX_UPLOAD_BYTES", 1000)
     with pytest.raises(gr.Error, match="the limit is"):
@@ -216,9 +268,17 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
 def bomb(path: Path, rows: int = 450_000, width: int = 1000) -> Path:
     """A parquet file under a kilobyte that holds rows x width x 2 bytes (0.9 GB) of text."""
     value = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array(["x" * width]))
-    pq.write_table(pa.table({"texts": value, "labels": value}), path, compression="zstd", compression_level=22,
-                   write_statistics=False, store_schema=False, data_page_size=1 << 30, write_page_index=False,
-                   max_rows_per_page=1 << 20)
+    pq.write_table(
+        pa.table({"texts": value, "labels": value}),
+        path,
+        compression="zstd",
+        compression_level=22,
+        write_statistics=False,
+        store_schema=False,
+        data_page_size=1 << 30,
+        write_page_index=False,
+        max_rows_per_page=1 << 20,
+    )
     return path
 
 
@@ -236,8 +296,9 @@ def test_upload_refusals_name_the_users_file_not_the_servers_path(tab):
         train_handlers.accept_upload(tab, session, None, None, "train", payload, "")
     assert refused.value.message == "Mes données.jsonl: row 2: column 'labels' is empty"
     good = write_rows(tab.incoming / "3f9a1c" / "tmp8x.jsonl", 3)
-    uploads, preview = train_handlers.accept_upload(tab, session, None, None, "train",
-                                                    FileData(path=str(good), orig_name="chats.jsonl"), "")
+    uploads, preview = train_handlers.accept_upload(
+        tab, session, None, None, "train", FileData(path=str(good), orig_name="chats.jsonl"), ""
+    )
     assert uploads.names == {"train": "chats.jsonl"} and "**chats.jsonl**: 3 rows" in preview
 
 
@@ -246,8 +307,9 @@ def test_a_parquet_bomb_upload_is_refused_and_nothing_is_copied(tab):
     assert upload.stat().st_size < 1000
     with pytest.raises(gr.Error) as refused:
         train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
-    assert refused.value.message == ("tiny.parquet: row 268436: the rows so far hold over 512 MB of text "
-                                     "(the limit for an upload)")
+    assert refused.value.message == (
+        "tiny.parquet: row 268436: the rows so far hold over 512 MB of text (the limit for an upload)"
+    )
     assert not tab.data_root.exists()
 
 
@@ -325,19 +387,24 @@ def test_the_cleaner_thread_cleans_both_folders_until_stopped(tab):
 # --------------------------------------------------------------------------- actions
 
 
-@pytest.mark.parametrize("config, token, message", [
-    (AuthConfig(), "valid-elsewhere", "no login is configured"),  # a token cannot help: there is no login
-    (AuthConfig(password=PASSWORD), None, "log in first"),
-    (AuthConfig(password=PASSWORD), "forged-token", "log in first"),
-])
+@pytest.mark.parametrize(
+    "config, token, message",
+    [
+        (AuthConfig(), "valid-elsewhere", "no login is configured"),  # a token cannot help: there is no login
+        (AuthConfig(password=PASSWORD), None, "log in first"),
+        (AuthConfig(password=PASSWORD), "forged-token", "log in first"),
+    ],
+)
 def test_actions_are_refused_without_a_login(tab, config, token, message):
     tab.auth = config
     if token == "valid-elsewhere":
         token = AuthConfig(password=PASSWORD).logins.issue()  # live on another server's login list
-    actions = [lambda: train_handlers.start_run(tab, token, None, None, form(tab)),
-               lambda: train_handlers.stop_run(tab, token, None),
-               lambda: train_handlers.resume_run(tab, token, None),
-               lambda: train_handlers.push_run(tab, token, None, "me/chat", False)]
+    actions = [
+        lambda: train_handlers.start_run(tab, token, None, None, form(tab)),
+        lambda: train_handlers.stop_run(tab, token, None),
+        lambda: train_handlers.resume_run(tab, token, None),
+        lambda: train_handlers.push_run(tab, token, None, "me/chat", False),
+    ]
     for action in actions:
         with pytest.raises(gr.Error, match=message):
             action()
@@ -366,15 +433,23 @@ def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
     (run_dir / "final").mkdir(parents=True)
     (run_dir / "final" / "config.json").write_text("{}")
     spec = JobSpec(app_config("tiny", dataset_name="sample"))
-    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "spec": spec.to_dict(),
-                                                  "argv": ["python", "-m", "finetune"], "metrics_offset": 0}))
+    (run_dir / "run.json").write_text(
+        json.dumps(
+            {"run_id": run_id, "spec": spec.to_dict(), "argv": ["python", "-m", "finetune"], "metrics_offset": 0}
+        )
+    )
     (run_dir / "train.log").write_text("line 1\nfinal model in final\n")
     metrics = ckpt.MetricsWriter(run_dir, enabled=True)
     metrics.write("start", total_steps=4, resumed_at=0)
     for step, loss in ((1, 7.5), (2, 7.0), (4, 6.5)):
         metrics.write("log", step=step, loss=loss, samples_per_second=120.0)
-    metrics.write("eval", step=4, eval_bleu=3.25, eval_loss=6.4,
-                  samples=[{"prompt": "chatbot: hi", "prediction": "hello", "reference": "hey"}] * 7)
+    metrics.write(
+        "eval",
+        step=4,
+        eval_bleu=3.25,
+        eval_loss=6.4,
+        samples=[{"prompt": "chatbot: hi", "prediction": "hello", "reference": "hey"}] * 7,
+    )
     metrics.write("done", step=4, eval_bleu=3.25)
     return run_dir
 
@@ -396,21 +471,33 @@ def test_live_view_sends_only_changes(tab):
     pd.testing.assert_frame_equal(loss, pd.DataFrame({"step": [1, 2, 4], "loss": [7.5, 7.0, 6.5]}))
     assert bleu.to_dict("records") == [{"step": 4, "bleu": 3.25}]
     assert len(samples) == train_handlers.SAMPLES_SHOWN and samples.iloc[0].to_dict() == {
-        "prompt": "chatbot: hi", "prediction": "hello", "reference": "hey"}
+        "prompt": "chatbot: hi",
+        "prediction": "hello",
+        "reference": "hey",
+    }
     assert log_tail.endswith("final model in final") and calls == ["train", "chat"] * 2
     cache, *again = train_handlers.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again)
 
 
 def test_run_markdown_states():
-    running = RunStatus(run_id="r", state="running", step=5, total_steps=20, progress=0.25, eta_seconds=75,
-                        samples_per_second=12.34, gpu_mem_gib=3.21)
+    running = RunStatus(
+        run_id="r",
+        state="running",
+        step=5,
+        total_steps=20,
+        progress=0.25,
+        eta_seconds=75,
+        samples_per_second=12.34,
+        gpu_mem_gib=3.21,
+    )
     text = train_handlers.run_markdown(running)
     assert "running" in text and "step 5 / 20 (25%)" in text and "ETA 1 min 15 s" in text
     assert "12.3 samples/s" in text and "GPU memory 3.2 GiB" in text
     assert "starting: loading" in train_handlers.run_markdown(RunStatus(run_id="r", state="running"))
-    failed = train_handlers.run_markdown(RunStatus(run_id="r", state="failed", error="CUDA out of memory",
-                                             has_checkpoint=True))
+    failed = train_handlers.run_markdown(
+        RunStatus(run_id="r", state="failed", error="CUDA out of memory", has_checkpoint=True)
+    )
     assert "**Error:** CUDA out of memory" in failed and "**Resume**" in failed
     pushed = train_handlers.run_markdown(RunStatus(run_id="r", state="finished", pushed_url="https://hf.co/me/chat"))
     assert "Pushed to https://hf.co/me/chat" in pushed
@@ -426,8 +513,10 @@ def test_pushed_event_shows_and_clears_an_earlier_push_error(tab):
     assert status.state == "finished" and status.error is None and status.pushed_url == "https://huggingface.co/me/chat"
 
 
-@pytest.mark.parametrize("seconds, text", [(None, "?"), (0, "0 s"), (59.4, "59 s"), (61, "1 min 01 s"),
-                                           (3725, "1 h 02 min"), (float("inf"), "?")])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [(None, "?"), (0, "0 s"), (59.4, "59 s"), (61, "1 min 01 s"), (3725, "1 h 02 min"), (float("inf"), "?")],
+)
 def test_format_duration(seconds, text):
     assert train_handlers.format_duration(seconds) == text
 
