@@ -58,9 +58,9 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
         gr.Markdown(INTRO)
         status = gr.Markdown(chat_handlers.serving_markdown(engine), elem_id="serving-status")
         with gr.Tabs():
-            with gr.Tab("Chat"):
+            with gr.Tab("Chat") as chat_page:
                 chat = chat_tab.build(engine, train, session, status)
-            with gr.Tab("Train"):
+            with gr.Tab("Train") as train_page:
                 tab = train_tab.build(train, session)
 
         # Public API: Client(url).predict(message, kind, context, api_name="/chat") -> reply text.
@@ -79,6 +79,9 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
             )
 
         live = [tab.cache, *tab.live, chat.picker]
+        # Poll only while the Train tab is shown: a page left on the chat costs the server nothing.
+        train_page.select(lambda: gr.Timer(active=True), None, tab.timer, queue=False, **PRIVATE)
+        chat_page.select(lambda: gr.Timer(active=False), None, tab.timer, queue=False, **PRIVATE)
         tab.timer.tick(redraw, tab.cache, live, queue=False, show_progress="hidden", **PRIVATE)
         for event in tab.actions:  # show what an action did at once, not at the next tick
             event.success(redraw, tab.cache, live, queue=False, show_progress="hidden", **PRIVATE)

@@ -242,13 +242,16 @@ def form_inputs(components: Mapping) -> dict:
 
 
 def show_command(tab: TrainTab, uploads: Uploads | None, values: Mapping) -> str:
-    """The exact command Start would run (with a placeholder for the new run's folder)."""
-    with explained("show the command"):
+    """The exact command Start would run (with a placeholder for the new run's folder), or, when
+    the form describes no valid run, why not: in the command box, where the user looks."""
+    try:
         spec = spec_from_form(tab, values, uploads)
-        return (
-            "# run from the repository root; the app runs this argument list without a shell\n"
-            + tab.manager.command_preview(spec)
-        )
+    except ValueError as err:  # includes DataError
+        return f"# no command: {err}"
+    return (
+        "# run from the repository root; the app runs this argument list without a shell\n"
+        + tab.manager.command_preview(spec)
+    )
 
 
 # --------------------------------------------------------------------------- uploads
@@ -400,7 +403,7 @@ def run_markdown(status: RunStatus) -> str:
     else:
         lines.append("starting: loading the model and the data…" if status.state == "running" else "")
     facts = []
-    if status.state in ("running", "stopping") and status.eta_seconds is not None:
+    if status.state == "running" and status.eta_seconds is not None:  # no countdown while it stops
         facts.append(f"ETA {format_duration(status.eta_seconds)}")
     if status.samples_per_second:
         facts.append(f"{status.samples_per_second:.1f} samples/s")
@@ -424,12 +427,18 @@ def run_markdown(status: RunStatus) -> str:
     return "\n\n".join(line for line in lines if line)
 
 
+def _points(points: list[dict], y: str) -> pd.DataFrame:
+    """A numeric frame even when empty: an empty frame of object columns makes gradio pick
+    category axes, which it keeps for the live updates (a falling loss drawn rising)."""
+    return pd.DataFrame(points, columns=["step", y]).astype({"step": "int64", y: "float64"})
+
+
 def loss_frame(status: RunStatus) -> pd.DataFrame:
-    return pd.DataFrame(status.loss_points, columns=["step", "loss"])
+    return _points(status.loss_points, "loss")
 
 
 def bleu_frame(status: RunStatus) -> pd.DataFrame:
-    return pd.DataFrame(status.bleu_points, columns=["step", "bleu"])
+    return _points(status.bleu_points, "bleu")
 
 
 def samples_frame(status: RunStatus) -> pd.DataFrame:

@@ -197,7 +197,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         push_repo = gr.Textbox(label="Push the finished run to", placeholder="user/my-chat-e", max_length=200, scale=3)
         push_private = gr.Checkbox(False, label="Private repo", scale=1)
         push = gr.Button("Push to Hub", scale=1, elem_id="train-push")
-    timer = gr.Timer(handlers.TICK_SECONDS)
+    timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
 
     # ---- events: each handler checks the login itself (train_handlers / webui.auth)
     def do_login(token, typed, request: gr.Request):

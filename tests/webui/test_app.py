@@ -624,3 +624,19 @@ def test_python_app_py_without_the_hub_serves_the_demo_model_at_once(tmp_path):
     assert "cannot be reached" in text
     print(f"python app.py ready in {offline:.1f} s offline, {no_hub:.1f} s without a Hub")
     assert no_hub < offline + 10, (offline, no_hub)  # the back-off alone was 30 s
+
+
+def test_the_train_tab_polls_only_while_it_is_shown(server):
+    config = json.loads(urllib.request.urlopen(server.rstrip("/") + "/config", timeout=10).read())
+    by_id = {c["id"]: c for c in config["components"]}
+    timer = next(c for c in config["components"] if c["type"] == "timer")
+    assert timer["props"]["active"] is False  # a page opens on the Chat tab: no polling
+    tabs = {c["props"]["label"]: c["id"] for c in config["components"] if c["type"] == "tabitem"}
+    toggles = {
+        by_id[target]["props"]["label"]
+        for dep in config["dependencies"]
+        if dep["outputs"] == [timer["id"]]
+        for target, event in dep["targets"]
+        if event == "select" and target in tabs.values()
+    }
+    assert toggles == {"Chat", "Train"}

@@ -194,8 +194,28 @@ def test_show_command_is_the_run_managers_command_and_needs_no_login(tab):
 
     assert strip(shown.splitlines()[-1]) == strip(expected) and port in shown
     assert "-m finetune --model_name_or_path tiny --dataset_name sample --n_train 50" in shown
-    with pytest.raises(gr.Error, match="upload a training file first"):
-        train_handlers.show_command(tab, None, form(tab, data_source="upload"))
+    # A form that describes no valid run: the reason, in the command box itself (not a bare "Error" badge).
+    refused = train_handlers.show_command(tab, None, form(tab, data_source="upload"))
+    assert refused.startswith("# no command: ") and "upload a training file first" in refused
+    on_cpu = train_handlers.show_command(tab, None, form(tab, model_name_or_path=DEFAULT_MODEL))
+    assert on_cpu.startswith("# no command: ") and "needs a GPU" in on_cpu
+
+
+def test_plots_get_numeric_frames_even_when_empty():
+    """An empty frame of object columns made gradio draw category axes (a falling loss drawn rising)."""
+    for frame in (train_handlers.loss_frame(RunStatus()), train_handlers.bleu_frame(RunStatus())):
+        assert frame.empty and all(str(t) in ("int64", "float64") for t in frame.dtypes)
+    status = RunStatus(
+        loss_points=[{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2}], bleu_points=[{"step": 2, "bleu": 3}]
+    )
+    assert list(train_handlers.loss_frame(status).dtypes.astype(str)) == ["int64", "float64"]
+    assert train_handlers.bleu_frame(status)["bleu"].tolist() == [3.0]
+
+
+def test_no_eta_counts_down_while_stopping():
+    status = RunStatus(run_id="r", state="stopping", step=3, total_steps=10, progress=0.3, eta_seconds=42.0)
+    assert "ETA" not in train_handlers.run_markdown(status)
+    assert "ETA 42 s" in train_handlers.run_markdown(dataclasses.replace(status, state="running"))
 
 
 def test_model_choices_list_finished_runs(tab):
