@@ -6,8 +6,9 @@ One module per job:
     paths.py     where runs and uploads live, the run folder's files, which local paths a run may use
     spec.py      JobSpec: a run = the CLI's own TrainConfig + how to launch it; the app's preset
     command.py   the ``accelerate launch ... -m finetune ...`` argument list generated from a JobSpec
-    uploads.py   checking an uploaded data file, holding out its validation split
-    process.py   the launched process group: liveness from /proc, signals, stop escalation, reaping
+    uploads.py   checking an uploaded data file (in upload_check.py's confined child), the split, cleaning
+    process.py   a run's processes (launcher and every rank, whatever their group): liveness from one
+                 shared /proc scan, stop escalation to each of them, reaping
     status.py    RunStatus: what the app shows, read from the run folder
     manager.py   RunManager: start / status / stop / resume / push, one run at a time
 
@@ -28,6 +29,7 @@ attempts (one entry per launch), exit_code, killed (set when a stop had to SIGKI
 
 Security: run ids must match ``paths.RUN_ID_RE``; a model or data file given as a local path
 must resolve (symlinks followed) inside an allowed root (``paths.allowed_roots()``); commands
-are argument lists, never a shell; the environment (and so ``HF_TOKEN``) is passed to the child
-but never written anywhere.
+are argument lists, never a shell; the child gets the environment without the app's secrets
+(``command.run_env``: no TRAIN_PASSWORD, OAuth or gradio secrets; ``HF_TOKEN`` stays, for the Hub),
+and it is never written anywhere.
 """

@@ -1,6 +1,6 @@
 """The command that runs a JobSpec: ``python -m accelerate.commands.launch --config_file ...
 -m finetune ...``, the README's commands as an argument list (run with cwd = the repository
-root, never through a shell).
+root, never through a shell), and the environment it runs with (``run_env``: no app secrets).
 
 The training flags are generated from the run's TrainConfig, never mapped field by field:
 every field whose value differs from the CLI's default becomes its flag, so
@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+from chat.layout import ROOT
 from finetune.config import TrainConfig
 from finetune.jobs.paths import split_files
 from finetune.jobs.spec import JobSpec
@@ -118,14 +121,90 @@ def build_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list[st
         config, processes = CPU_CONFIG, cpu_processes()
     else:
         config, processes = CONFIG_FILES[spec.strategy], spec.num_gpus
-    return [sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(ACCELERATE_DIR / config),
-            "--num_processes", str(processes),
-            "--mixed_precision", mixed_precision(spec),
-            "--main_process_port", str(free_port()),
-            "-m", "finetune", *training_args(run_config(spec, run_dir, resume))]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ACCELERATE_DIR / config),
+        "--num_processes",
+        str(processes),
+        "--mixed_precision",
+        mixed_precision(spec),
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "finetune",
+        *training_args(run_config(spec, run_dir, resume)),
+    ]
 
 
 def format_command(argv) -> str:
-    """One shell line for display ("Show command"); never executed through a shell here."""
+    """One shell line of exactly ``argv``; never executed through a shell here."""
     return shlex.join(str(a) for a in argv)
+
+
+def _relative(value: str) -> str:
+    """A path inside the repository as one relative to it ("runs/<id>"); anything else as is."""
+    path = Path(value)
+    if not path.is_absolute() or not path.is_relative_to(ROOT):
+        return value
+    relative = path.relative_to(ROOT).as_posix()
+    return relative if not relative.startswith("-") else f"./{relative}"  # never read as an option
+
+
+def display_command(argv) -> str:
+    """The line shown to people ("Show command", a run's status, the log; visitors see them):
+    ``format_command`` with the interpreter as ``python`` and paths inside the repository
+    relative to it (runs/<id>, data/uploads/...), so it shows no server folder and runs from
+    the repository root as the README says. Paths outside the repository stay absolute."""
+    shown = []
+    for i, arg in enumerate(str(a) for a in argv):
+        if i == 0 and Path(arg).is_absolute() and Path(arg).name.startswith("python"):
+            arg = "python"
+        elif arg.startswith("--") and "=" in arg:
+            flag, value = arg.split("=", 1)
+            arg = f"{flag}={_relative(value)}"
+        else:
+            arg = _relative(arg)
+        shown.append(arg)
+    return format_command(shown)
+
+
+# --------------------------------------------------------------------------- the environment
+
+# A run needs the Hub token (private data, push) and the machine's settings (PATH, HOME, HF_*,
+# CUDA_*, PYTHON*, NCCL_*, proxies...), never the app's own secrets: whatever the training code
+# or a library prints ends up in train.log, which every visitor of the Train tab can read.
+_DROP_PREFIXES = ("TRAIN_", "OAUTH_", "OPENID_", "GRADIO_")  # the app's login (webui/auth.py), gradio's settings
+_SECRET_WORDS = {
+    "PASSWORD",
+    "PASSWD",
+    "SECRET",
+    "SECRETS",
+    "TOKEN",
+    "CREDENTIAL",
+    "CREDENTIALS",
+    "COOKIE",
+    "AUTH",
+    "APIKEY",
+}
+_SECRET_SUFFIXES = ("API_KEY", "PRIVATE_KEY", "ACCESS_KEY")
+_KEEP = {"HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY"}  # the Hub's old token name; the wandb tracker (--report_to)
+
+
+def _is_secret(name: str) -> bool:
+    upper = name.upper()
+    if upper.startswith("HF_") or upper in _KEEP:  # HF_TOKEN and the Hub's cache settings
+        return False
+    return (
+        upper.startswith(_DROP_PREFIXES)
+        or bool(_SECRET_WORDS & set(re.split(r"[^A-Z0-9]+", upper)))
+        or upper.endswith(_SECRET_SUFFIXES)
+    )
+
+
+def run_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a run is launched with: this one's, less the app's secrets (see above)."""
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in environ.items() if not _is_secret(name)}

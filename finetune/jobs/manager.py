@@ -3,13 +3,16 @@
 A manager keeps nothing about a run in memory: every answer is read from the run folder and
 the processes, so any number of managers (a page reload, a second viewer, a restarted app, two
 app processes) see the same runs. Starting is exclusive across all of them: under a file lock
-in the runs root, a start or resume is refused while run.json of any run names a live process.
+in the runs root, a start or resume is refused while any process of any run under the root
+lives (a rank that outlived its launcher too: see process.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import secrets
 import shutil
 import time
@@ -18,11 +21,13 @@ from pathlib import Path
 from chat.layout import FINAL, RESULTS_FILE, is_hub_id
 from finetune import checkpoint as ckpt
 from finetune.jobs import paths, process
-from finetune.jobs.command import build_command, detect_gpus, format_command
+from finetune.jobs.command import build_command, detect_gpus, display_command
 from finetune.jobs.paths import LOG_FILE, RUN_FILE, RUN_ID_RE, read_info, split_files, write_info
 from finetune.jobs.spec import JobSpec
-from finetune.jobs.status import RunStatus, read_events, status_of
+from finetune.jobs.status import RunStatus, current_status, read_events, status_of
 from finetune.jobs.uploads import write_split
+
+log = logging.getLogger(__name__)
 
 
 class RunBusyError(RuntimeError):
@@ -69,19 +74,28 @@ class RunManager:
                 pass
             yield
 
-    def _running(self) -> str | None:
-        for run_id in self.runs():
-            run_dir = self.root / run_id
-            with contextlib.suppress(OSError, ValueError):
-                if process.run_alive(run_dir, read_info(run_dir)):
-                    return run_id
-        return None
+    def _ids(self) -> list[str]:
+        """Names under the root that look like run ids, newest first (no run.json check)."""
+        try:
+            return sorted((name for name in os.listdir(self.root) if RUN_ID_RE.match(name)), reverse=True)
+        except OSError:
+            return []
+
+    def _running(self, snap: process.Snapshot | None = None) -> str | None:
+        """The newest run with a live process (and a run.json), if any."""
+        live = process.live_runs(self.root, snap)
+        return next((i for i in sorted(live, reverse=True) if (self.root / i / RUN_FILE).is_file()), None)
 
     def _refuse_if_busy(self) -> None:
-        busy = self._running()
-        if busy:
-            raise RunBusyError(f"run {busy} is still running; stop it or wait for it to finish "
-                               "(one training run at a time)")
+        """RunBusyError while any process of any run under the root lives (a fresh scan)."""
+        live = process.live_runs(self.root, process.snapshot(0))
+        if live:
+            run_id, pids = max(live.items())
+            log.warning("refused to launch: run %s has live processes %s", run_id, sorted(pids))
+            raise RunBusyError(
+                f"run {run_id} is still running ({len(pids)} process(es)); stop it or wait "
+                "for it to finish (one training run at a time)"
+            )
 
     def _launch(self, run_dir: Path, spec: JobSpec, info: dict, resume: bool) -> None:
         """Launch an attempt and record it in run.json (caller holds ``_exclusive``)."""
@@ -90,12 +104,21 @@ class RunManager:
         log_offset = _file_size(log_path)
         metrics_offset = _file_size(run_dir / ckpt.METRICS_FILE)
         with open(log_path, "ab") as log, process.LOCK:  # the reaper writes run.json only after this one
-            log.write(f"=== {'resume' if resume else 'start'} {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                      f"{format_command(argv)}\n".encode())
+            log.write(
+                f"=== {'resume' if resume else 'start'} {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                f"{display_command(argv)}\n".encode()
+            )  # the log is shown to visitors
             log.flush()
             proc = process.spawn(argv, run_dir, log)
-            attempt = {"argv": argv, "pid": proc.pid, "pgid": proc.pid, "started": time.time(), "resume": resume,
-                       "metrics_offset": metrics_offset, "log_offset": log_offset}
+            attempt = {
+                "argv": argv,
+                "pid": proc.pid,
+                "pgid": proc.pid,
+                "started": time.time(),
+                "resume": resume,
+                "metrics_offset": metrics_offset,
+                "log_offset": log_offset,
+            }
             info.update(attempt)
             info.pop("exit_code", None)
             info.pop("killed", None)
@@ -110,24 +133,22 @@ class RunManager:
         with contextlib.suppress(OSError, ValueError):
             info = read_info(run_dir)
             if info.get("pgid") == pgid:  # not a later attempt's
-                info["killed"] = (f"the run did not stop within {self.grace_seconds:g} s of the stop "
-                                  f"request nor {self.term_seconds:g} s after SIGTERM, and was killed")
+                info["killed"] = (
+                    f"the run did not stop within {self.grace_seconds:g} s of the stop "
+                    f"request nor {self.term_seconds:g} s after SIGTERM, and was killed"
+                )
                 write_info(run_dir, info)
 
     # ---- API
 
     def runs(self) -> list[str]:
         """Run ids under the root, newest first."""
-        found = []
-        with contextlib.suppress(OSError):
-            for entry in self.root.iterdir():
-                if RUN_ID_RE.match(entry.name) and (entry / RUN_FILE).is_file():
-                    found.append(entry.name)
-        return sorted(found, reverse=True)  # ids start with the launch time
+        return [i for i in self._ids() if (self.root / i / RUN_FILE).is_file()]  # ids start with the launch time
 
     def command_preview(self, spec: JobSpec) -> str:
-        """What start(spec) would run ("Show command"), with a placeholder run folder."""
-        return format_command(build_command(spec, self.root / "<run_id>"))
+        """What start(spec) would run ("Show command"; paths relative to the repository root
+        where they are in it), with a placeholder run folder."""
+        return display_command(build_command(spec, self.root / "<run_id>"))
 
     def start(self, spec: JobSpec) -> RunStatus:
         if spec.num_gpus > 0:
@@ -151,27 +172,30 @@ class RunManager:
         return self.status(run_id)
 
     def status(self, run_id: str | None = None) -> RunStatus:
-        """A run's state; by default the running run, else the most recent one (else idle)."""
+        """A run's state; by default the running run, else the most recent one (else idle).
+        Cheap enough for every open page to poll (status.current_status); shared: do not modify."""
         if run_id is None:
-            run_id = self._running() or next(iter(self.runs()), None)
+            run_id = self._running() or next((i for i in self._ids() if (self.root / i / RUN_FILE).is_file()), None)
             if run_id is None:
                 return RunStatus()
-        return status_of(self._dir(run_id))
+        return current_status(self._dir(run_id))
 
     def stop(self, run_id: str | None = None) -> RunStatus:
-        """Ask a run to checkpoint and stop (STOP file); a background thread SIGTERMs its
-        process group after grace_seconds, and SIGKILLs it term_seconds after that."""
-        run_id = run_id or self._running()
+        """Ask a run to checkpoint and stop (STOP file); a background thread SIGTERMs every
+        process of the run (and their groups) after grace_seconds, and SIGKILLs them
+        term_seconds after that."""
+        snap = process.snapshot(0)
+        run_id = run_id or self._running(snap)
         if run_id is None:
             return self.status()
         run_dir = self._dir(run_id)
-        info = read_info(run_dir)
-        if not process.run_alive(run_dir, info):
+        if not process.run_alive(run_dir, snap):
             return self.status(run_id)
         (run_dir / ckpt.STOP_FILE).touch()
-        pgid = info["pgid"]
-        process.stop_in_background(run_dir, pgid, self.grace_seconds, self.term_seconds,
-                                   on_kill=lambda: self._note_kill(run_dir, pgid))
+        pgid = read_info(run_dir).get("pgid")  # the attempt the note of a kill is about
+        process.stop_in_background(
+            run_dir, self.grace_seconds, self.term_seconds, on_kill=lambda: self._note_kill(run_dir, pgid)
+        )
         return self.status(run_id)
 
     def resume(self, run_id: str) -> RunStatus:

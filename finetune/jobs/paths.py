@@ -57,8 +57,7 @@ def allowed_roots() -> list[Path]:
 
 
 def _looks_like_path(value: str) -> bool:
-    return (value.startswith(("/", ".", "~")) or "\\" in value or value.count("/") > 1
-            or ".." in Path(value).parts)
+    return value.startswith(("/", ".", "~")) or "\\" in value or value.count("/") > 1 or ".." in Path(value).parts
 
 
 def local_path(value: str, what: str) -> Path | None:

@@ -3,7 +3,8 @@
 A ``JobSpec`` holds a ``finetune.config.TrainConfig`` (the CLI's names, defaults and checks:
 the run trains with exactly that config) and the launch settings the CLI does not have:
 strategy, precision, number of GPUs, and an uploaded train file to split. It is checked when it
-is made, with clear ``ValueError`` messages: a model or data file given as a local path must
+is made, with clear ``ValueError`` messages: numbers within the app's LIMITS (the CLI has no
+upper bounds), a model or data file given as a local path must
 resolve inside ``paths.allowed_roots()`` (and is replaced by its resolved absolute form), Hub
 ids must look like ones, and the CPU refuses what needs GPUs.
 
@@ -34,8 +35,7 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 # are the README's CPU recipe (a run from the tab should show learning within minutes on the
 # sample); the 400M model keeps the CLI's learning rate (5e-5) and logging interval (10).
 APP_PRESET: dict[str, dict] = {
-    "*": {"num_train_epochs": 3, "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32,
-          "num_beams": 4},
+    "*": {"num_train_epochs": 3, "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "num_beams": 4},
     "tiny": {"learning_rate": 1e-3},  # the tiny model learns the sample fast
 }
 
@@ -44,10 +44,38 @@ MANAGED = ("output_dir", "resume_from_checkpoint")
 # A folder the CLI would write to outside the run folder: not for runs started by the app.
 UNAVAILABLE = ("profile_dir",)
 
+# Upper bounds of the app's runs (the CLI has none; the model's positions bound the lengths
+# further, checked by the CLI): a form value far beyond any real run is a typo or an attempt to
+# tie up the shared machine (allocations that fail after minutes of loading, a run that never ends).
+LIMITS = {
+    "num_train_epochs": 1000,
+    "max_train_steps": 10**7,
+    "num_warmup_steps": 10**7,
+    "per_device_train_batch_size": 65536,
+    "per_device_eval_batch_size": 65536,
+    "gradient_accumulation_steps": 1024,
+    "num_beams": 32,
+    "max_source_length": 1024,
+    "max_target_length": 1024,
+    "val_max_target_length": 1024,
+    "val_min_target_length": 1024,
+    "logging_steps": 10**7,
+    "checkpointing_steps": 10**7,
+    "checkpoints_total_limit": 1000,
+    "n_train": 10**9,
+    "n_val": 10**9,
+    "n_val_batch_generations": 1000,
+    "dataloader_num_workers": 64,
+    "learning_rate": 1.0,
+}
+
 # The flat spec of run folders written before finetune/jobs: its names that TrainConfig spells otherwise.
-_RUN_SPEC_NAMES = {"model": "model_name_or_path", "epochs": "num_train_epochs",
-                   "train_batch_size": "per_device_train_batch_size",
-                   "eval_batch_size": "per_device_eval_batch_size"}
+_RUN_SPEC_NAMES = {
+    "model": "model_name_or_path",
+    "epochs": "num_train_epochs",
+    "train_batch_size": "per_device_train_batch_size",
+    "eval_batch_size": "per_device_eval_batch_size",
+}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
@@ -118,6 +146,18 @@ def app_config(model: str, **values) -> TrainConfig:
     return make_config(model_name_or_path=model, **{**app_defaults(model), **values})
 
 
+def _number(value) -> str:
+    return f"{value:,}" if isinstance(value, int) and abs(value) < 10**15 else f"{value:.3g}"
+
+
+def check_limits(cfg: TrainConfig) -> None:
+    """ValueError naming the first setting above its LIMITS bound, and the bound."""
+    for name, limit in LIMITS.items():
+        value = getattr(cfg, name)
+        if value is not None and value > limit:
+            raise ValueError(f"{name} must be at most {_number(limit)} for runs of the app, got {_number(value)}")
+
+
 def _data_file(value: str, what: str) -> str:
     """An allowed local data file with a loader, as its resolved absolute path."""
     from finetune.data import LOADERS  # lazy: finetune.data imports datasets
@@ -158,11 +198,14 @@ class JobSpec:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.num_gpus == 0:
             if self.strategy != "zero2":
-                raise ValueError(f"strategy {self.strategy!r} needs GPUs; on the CPU (num_gpus 0) training "
-                                 "uses DeepSpeed ZeRO-2 (configs/accelerate/cpu_zero2.yaml): choose 'zero2'")
+                raise ValueError(
+                    f"strategy {self.strategy!r} needs GPUs; on the CPU (num_gpus 0) training "
+                    "uses DeepSpeed ZeRO-2 (configs/accelerate/cpu_zero2.yaml): choose 'zero2'"
+                )
             if self.precision in ("bf16", "fp16"):
                 raise ValueError(f"precision {self.precision!r} needs GPUs; on the CPU use 'fp32' or 'auto'")
         cfg = self.config
+        check_limits(cfg)
         for name in MANAGED:
             if getattr(cfg, name) != default(name):
                 raise ValueError(f"{name} is not part of a run's spec: each launch sets it (the run folder)")
@@ -189,8 +232,10 @@ class JobSpec:
                 raise ValueError(f"model {model!r} is not a model folder (no config.json)")
             return str(path)
         if not is_hub_id(model):
-            raise ValueError(f"model {model!r} is not a preset ({', '.join(MODEL_PRESETS)}), a Hub id "
-                             "('user/name') or an allowed local folder")
+            raise ValueError(
+                f"model {model!r} is not a preset ({', '.join(MODEL_PRESETS)}), a Hub id "
+                "('user/name') or an allowed local folder"
+            )
         return model
 
     def _data(self, cfg: TrainConfig) -> dict:
@@ -201,8 +246,10 @@ class JobSpec:
             self.split_train_file = _data_file(self.split_train_file.strip(), "dataset")
             return {}
         if cfg.train_file is not None:  # TrainConfig: validation_file comes with it
-            return {"train_file": _data_file(cfg.train_file.strip(), "dataset"),
-                    "validation_file": _data_file(cfg.validation_file.strip(), "validation file")}
+            return {
+                "train_file": _data_file(cfg.train_file.strip(), "dataset"),
+                "validation_file": _data_file(cfg.validation_file.strip(), "validation file"),
+            }
         dataset = (cfg.dataset_name or "").strip()
         if not dataset:
             raise ValueError("dataset is required ('sample', a Hub dataset id, or an uploaded file)")

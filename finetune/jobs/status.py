@@ -6,6 +6,11 @@ where the current launch attempt's events and log lines begin. A failure's reaso
 attempt's latest error event (the CLI writes one for every failure it catches, with the
 error's kind and the file at fault where there is one); only when there is none is it scraped
 from the end of train.log.
+
+``current_status`` is what viewers poll (every open page, every 2 s, logged in or not): it is
+computed again only when its inputs change (a new /proc snapshot, at most one per
+process.SCAN_SECONDS, or one of the run's files), so a flood of polls costs a few stat() calls
+each, never a scan.
 """
 
 from __future__ import annotations
@@ -14,15 +19,17 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from chat.layout import FINAL
 from finetune import checkpoint as ckpt
+from finetune.config import DEFAULT_DATASET
 from finetune.jobs import process
-from finetune.jobs.command import format_command
-from finetune.jobs.paths import LOG_FILE, read_info
+from finetune.jobs.command import display_command
+from finetune.jobs.paths import LOG_FILE, RUN_FILE, read_info
 
 LOG_TAIL_LINES = 40
 
@@ -35,6 +42,8 @@ _ERROR_LINE = re.compile(r"^\d\d:\d\d:\d\d ERROR [\w.]+: (.+)$")  # finetune.tra
 _ARGPARSE_ERROR = re.compile(r"^python -m finetune: error: (.+)$")
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt): .+$")
 _LAUNCHER_NOISE = ("ChildFailedError", "CalledProcessError")
+_SAMPLE_LINE = re.compile(r"prompt: .* \| prediction: .* \| reference: ")  # a sample in finetune/train.py's log
+PUBLIC_DATASETS = ("sample", DEFAULT_DATASET)  # data whose validation rows anyone may see
 
 
 @dataclass
@@ -57,6 +66,17 @@ class RunStatus:
     command: str = ""
     has_checkpoint: bool = False  # resume() is possible once stopped or failed
     pushed_url: str | None = None  # where the final model was last pushed (by the CLI or push())
+    # The run's data may be private (an upload, or a Hub dataset other than the public ones):
+    # its validation rows, in ``samples`` and in the log, are for logged-in users only.
+    samples_private: bool = False
+
+    def for_visitor(self) -> RunStatus:
+        """What a visitor who is not logged in may see: without the validation rows (samples,
+        and the CLI's "prompt: ..." log lines) when they may be private. A new object."""
+        if not self.samples_private:
+            return self
+        kept = [line for line in self.log_tail.splitlines() if not _SAMPLE_LINE.search(line)]
+        return replace(self, samples=[], log_tail="\n".join(kept))
 
 
 # --------------------------------------------------------------------------- reading the run folder
@@ -134,24 +154,47 @@ def _failure(run_dir: Path, info: dict, current: list[dict]) -> str:
     """Why the current attempt failed: killed by a stop, else its latest error event, else the
     log, else its exit code."""
     error = next((e for e in reversed(current) if e.get("event") == "error"), None)
-    reason = (info.get("killed") or (error and error_from_event(error))
-              or error_from_log(tail(run_dir / LOG_FILE, 400, since=info.get("log_offset", 0))))
+    reason = (
+        info.get("killed")
+        or (error and error_from_event(error))
+        or error_from_log(tail(run_dir / LOG_FILE, 400, since=info.get("log_offset", 0)))
+    )
     if reason:
         return reason
     code = info.get("exit_code")
-    return (f"the training process exited with code {code}; see the log" if code is not None
-            else "the training process ended without a result (killed?); see the log")
+    return (
+        f"the training process exited with code {code}; see the log"
+        if code is not None
+        else "the training process ended without a result (killed?); see the log"
+    )
 
 
 # --------------------------------------------------------------------------- the status
 
 
-def status_of(run_dir: Path) -> RunStatus:
-    """The status of the run in ``run_dir``, from its folder and its processes."""
+def samples_private(spec) -> bool:
+    """May the data of a run with this spec (run.json's) be private? Yes for a local upload or a
+    Hub dataset other than PUBLIC_DATASETS (the Space's token may read private ones), and when
+    the spec cannot be read."""
+    if not isinstance(spec, dict) or not spec:
+        return True
+    if "config" in spec:  # JobSpec.to_dict()
+        config = spec["config"] if isinstance(spec["config"], dict) else {}
+        return bool(
+            spec.get("split_train_file")
+            or config.get("train_file")
+            or config.get("dataset_name") not in PUBLIC_DATASETS
+        )
+    return spec.get("dataset", "sample") not in PUBLIC_DATASETS  # the flat RunSpec of older run folders
+
+
+def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
+    """The status of the run in ``run_dir``, from its folder and its processes (``snap``: a
+    /proc snapshot to judge liveness by, by default the shared one)."""
     # Order matters: the stop thread writes its note before it stops counting as stopping, and
-    # the liveness check records a reaped child's exit code, so run.json is read again after both.
+    # taking a snapshot records a reaped child's exit code, so run.json is read after both.
     escalating = process.is_stopping(run_dir)
-    alive = process.run_alive(run_dir, read_info(run_dir))
+    alive = process.run_alive(run_dir, snap or process.snapshot())
     info = read_info(run_dir)
     events = read_events(run_dir)
     offset = info.get("metrics_offset", 0)
@@ -176,7 +219,11 @@ def status_of(run_dir: Path) -> RunStatus:
     done = next((e for e in reversed(current) if e.get("event") == "done"), None)
     terminal = done or next((e for e in reversed(current) if e.get("event") in ("stopped", "error")), None)
 
-    status = RunStatus(run_id=run_dir.name, command=format_command(info.get("argv", [])))
+    status = RunStatus(
+        run_id=run_dir.name,
+        command=display_command(info.get("argv", [])),
+        samples_private=samples_private(info.get("spec")),
+    )
     status.step, status.total_steps = step, total
     status.progress = min(1.0, step / total) if total else 0.0
     status.loss_points = [{"step": s, "loss": v} for s, v in sorted(loss.items())]
@@ -198,7 +245,7 @@ def status_of(run_dir: Path) -> RunStatus:
         status.eval_bleu = terminal.get("eval_bleu", status.eval_bleu)
         # training finished; a later error is the Hub push failing (the model is kept), until a
         # later push succeeds
-        for e in current[current.index(terminal) + 1:]:
+        for e in current[current.index(terminal) + 1 :]:
             if e.get("event") == "error":
                 status.error = error_from_event(e) or status.error
             elif e.get("event") == "pushed":
@@ -224,3 +271,47 @@ def _eta(current: list[dict], step: int, total: int) -> float | None:
     if done <= 0 or elapsed <= 0:
         return None
     return max(0.0, (total - logs[-1]["step"]) * elapsed / done - (time.time() - logs[-1]["time"]))
+
+
+# --------------------------------------------------------------------------- the status viewers poll
+
+# Files whose change changes a status (train.log, which grows all the time, is read again with
+# each new /proc snapshot). checkpoints/ and final/ change with an event too, but a folder
+# written by hand should show.
+_WATCHED = (RUN_FILE, ckpt.METRICS_FILE, ckpt.STOP_FILE, "checkpoints", FINAL)
+_CACHE: dict[str, tuple[tuple, RunStatus]] = {}  # run folder -> (inputs, status)
+_COMPUTING: dict[str, threading.Lock] = {}  # run folder -> its lock: one computation at a time
+_CACHE_LOCK = threading.Lock()  # a leaf lock: held only to read or write the two dicts
+
+
+def _stamp(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_nlink
+
+
+def current_status(run_dir: Path) -> RunStatus:
+    """``status_of(run_dir)``, computed again only when its inputs changed: the /proc snapshot
+    (at most one per process.SCAN_SECONDS; a launch or a stop here makes a new one at once),
+    whether a stop is at work, and the stamps of the _WATCHED files. Concurrent callers wait
+    for one computation. The object is shared by every caller: do not modify it."""
+    key = str(run_dir)
+    with _CACHE_LOCK:
+        lock = _COMPUTING.setdefault(key, threading.Lock())
+    with lock:  # never taken by a holder of process.LOCK: the lock order is this, LOCK, the scan's
+        snap = process.snapshot()
+        stamps = tuple(_stamp(run_dir / name) for name in _WATCHED)
+        with _CACHE_LOCK:
+            cached = _CACHE.get(key)
+        info_changed = cached is None or cached[0][2] != stamps[0]
+        if info_changed and stamps[0] and stamps[0][2] / 1e9 > snap.wall - 0.05:  # file times lag the clock
+            snap = process.snapshot(0)  # run.json is newer than the scan: a launch by another app process?
+        inputs = (snap.serial, process.is_stopping(run_dir), *stamps)
+        if cached is not None and cached[0] == inputs:
+            return cached[1]
+        status = status_of(run_dir, snap)
+        with _CACHE_LOCK:
+            _CACHE[key] = (inputs, status)
+        return status

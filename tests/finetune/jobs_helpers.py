@@ -4,7 +4,10 @@ is in conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,9 +65,51 @@ def fake_run(manager: RunManager, run_id: str, code: str) -> subprocess.Popen:
     """A run dir whose 'training' process is a stub that looks like ours (argv has finetune + run dir)."""
     run_dir = manager.root / run_id
     run_dir.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, "-c", code, "finetune", "--output_dir", str(run_dir)],
-                            start_new_session=True)
-    info = {"run_id": run_id, "spec": spec().to_dict(), "argv": ["python", "-m", "finetune"], "pid": proc.pid,
-            "pgid": proc.pid, "started": time.time(), "metrics_offset": 0, "log_offset": 0, "attempts": []}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "finetune", "--output_dir", str(run_dir)], start_new_session=True
+    )
+    info = {
+        "run_id": run_id,
+        "spec": spec().to_dict(),
+        "argv": ["python", "-m", "finetune"],
+        "pid": proc.pid,
+        "pgid": proc.pid,
+        "started": time.time(),
+        "metrics_offset": 0,
+        "log_offset": 0,
+        "attempts": [],
+    }
     (run_dir / "run.json").write_text(json.dumps(info))
     return proc
+
+
+def training_processes(run_dir: Path) -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, pgid) of every live (not zombie) process whose argv has "finetune" and the
+    run folder: read from /proc here, not through finetune/jobs/process.py, which is under test."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] not in "ZX" and b"finetune" in args and str(run_dir).encode() in args:
+            found[int(entry)] = (int(fields[1]), int(fields[2]))
+    return found
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment a process started with, from /proc/<pid>/environ."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def kill_all(run_dir: Path, timeout: float = 15) -> None:
+    """Test cleanup: SIGKILL whatever of the run is left, and wait until it is gone."""
+    deadline = time.monotonic() + timeout
+    while (left := training_processes(run_dir)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)

@@ -5,7 +5,9 @@ import dataclasses
 import os
 import random
 import shlex
+import sys
 import typing
+from pathlib import Path
 
 import pytest
 from jobs_helpers import good_rows, launcher_args, spec, write_jsonl
@@ -15,6 +17,7 @@ from chat.model import ATTENTION
 from finetune.config import TRACKERS, TrainConfig, parse_args
 from finetune.jobs import command
 from finetune.jobs.command import build_command, format_command, run_config, training_args
+from finetune.jobs.manager import RunManager
 from finetune.jobs.spec import STRATEGIES
 
 
@@ -40,13 +43,21 @@ def test_cpu_command_is_the_readme_recipe(tmp_path, monkeypatch):
 
     # the README's CPU command, flag for flag (launcher part; the port is ours)
     readme = (ROOT / "README.md").read_text()
-    line = next(l for l in readme.splitlines() if l.startswith("accelerate launch") and "cpu_zero2" in l)
+    line = next(row for row in readme.splitlines() if row.startswith("accelerate launch") and "cpu_zero2" in row)
     documented = shlex.split(line.rstrip("\\"))[2:]
-    ours = argv[3:argv.index("finetune") - 1]
+    ours = argv[3 : argv.index("finetune") - 1]
     assert documented == ["--config_file", "configs/accelerate/cpu_zero2.yaml", "-m", "finetune"]
     assert ours[:2] == documented[:2]
-    for flag in ("--model_name_or_path", "--dataset_name", "--num_train_epochs", "--learning_rate",
-                 "--per_device_train_batch_size", "--per_device_eval_batch_size", "--num_beams", "--output_dir"):
+    for flag in (
+        "--model_name_or_path",
+        "--dataset_name",
+        "--num_train_epochs",
+        "--learning_rate",
+        "--per_device_train_batch_size",
+        "--per_device_eval_batch_size",
+        "--num_beams",
+        "--output_dir",
+    ):
         assert flag in readme and flag in argv
 
     # one core: one process
@@ -59,27 +70,41 @@ def test_resume_adds_latest(tmp_path):
     plain, resumed = build_command(made, tmp_path), build_command(made, tmp_path, resume=True)
     assert "--resume_from_checkpoint" not in plain
     assert resumed[-2:] == ["--resume_from_checkpoint", "latest"]
-    strip_port = lambda a: [x for i, x in enumerate(a) if "--main_process_port" not in (x, a[i - 1])]
+
+    def strip_port(a):  # the port is fresh each time
+        return [x for i, x in enumerate(a) if "--main_process_port" not in (x, a[i - 1])]
+
     assert strip_port(resumed[:-2]) == strip_port(plain)
     cfg = parse_args(launcher_args(resumed).training_script_args)
     assert (cfg.resume_from_checkpoint, cfg.checkpointing_steps, cfg.n_train, cfg.n_val) == ("latest", 20, 100, 8)
     assert cfg == run_config(made, tmp_path, resume=True)
 
 
-@pytest.mark.parametrize("strategy,precision,gpus,bf16,config,mixed", [
-    ("zero2", "fp16", 2, True, "zero2.yaml", "fp16"),
-    ("zero2", "auto", 8, True, "zero2.yaml", "bf16"),
-    ("zero2", "auto", 1, False, "zero2.yaml", "fp16"),
-    ("ddp", "fp32", 2, True, "ddp.yaml", "no"),  # overrides ddp.yaml's own fp16
-    ("ddp", "bf16", 4, False, "ddp.yaml", "bf16"),
-    ("zero3_offload", "fp16", 1, False, "zero3_offload.yaml", "fp16"),
-    ("zero3_offload", "auto", 2, True, "zero3_offload.yaml", "bf16"),
-])
+@pytest.mark.parametrize(
+    "strategy,precision,gpus,bf16,config,mixed",
+    [
+        ("zero2", "fp16", 2, True, "zero2.yaml", "fp16"),
+        ("zero2", "auto", 8, True, "zero2.yaml", "bf16"),
+        ("zero2", "auto", 1, False, "zero2.yaml", "fp16"),
+        ("ddp", "fp32", 2, True, "ddp.yaml", "no"),  # overrides ddp.yaml's own fp16
+        ("ddp", "bf16", 4, False, "ddp.yaml", "bf16"),
+        ("zero3_offload", "fp16", 1, False, "zero3_offload.yaml", "fp16"),
+        ("zero3_offload", "auto", 2, True, "zero3_offload.yaml", "bf16"),
+    ],
+)
 def test_gpu_commands(tmp_path, monkeypatch, strategy, precision, gpus, bf16, config, mixed):
     monkeypatch.setattr(command, "gpu_supports_bf16", lambda: bf16)
-    made = spec("facebook/blenderbot-400M-distill", dataset_name="smangrul/MuDoConv", strategy=strategy,
-                precision=precision, num_gpus=gpus, learning_rate=1e-6, push_to_hub=True,
-                hub_model_id="someone/chat", hub_private=True)
+    made = spec(
+        "facebook/blenderbot-400M-distill",
+        dataset_name="smangrul/MuDoConv",
+        strategy=strategy,
+        precision=precision,
+        num_gpus=gpus,
+        learning_rate=1e-6,
+        push_to_hub=True,
+        hub_model_id="someone/chat",
+        hub_private=True,
+    )
     argv = build_command(made, tmp_path)
     args = launcher_args(argv)
     assert args.config_file == f"configs/accelerate/{config}" and (ROOT / args.config_file).is_file()
@@ -99,10 +124,12 @@ def test_every_strategy_has_an_accelerate_config():
 
 def test_readme_gpu_command_prefix(tmp_path):
     readme = (ROOT / "README.md").read_text()
-    line = next(l for l in readme.splitlines() if l.startswith("accelerate launch") and "/zero2.yaml --num" in l)
+    line = next(
+        row for row in readme.splitlines() if row.startswith("accelerate launch") and "/zero2.yaml --num" in row
+    )
     documented = shlex.split(line.rstrip("\\"))[2:]  # --config_file ... --num_processes 2 --mixed_precision bf16
     argv = build_command(spec(num_gpus=2, precision="bf16"), tmp_path)
-    ours = argv[3:argv.index("--main_process_port")]
+    ours = argv[3 : argv.index("--main_process_port")]
     assert ours == documented
 
 
@@ -129,7 +156,11 @@ def test_flags_are_only_the_changes(tmp_path):
     cfg = TrainConfig()
     assert training_args(cfg) == []
     assert training_args(dataclasses.replace(cfg, save_model=False, pad_to_max_length=True, weight_decay=-0.5)) == [
-        "--pad_to_max_length", "--weight_decay=-0.5", "--save_model", "false"]
+        "--pad_to_max_length",
+        "--weight_decay=-0.5",
+        "--save_model",
+        "false",
+    ]
     with pytest.raises(ValueError, match="dataset_name cannot be None"):
         training_args(dataclasses.replace(cfg, dataset_name=None, train_file="t.jsonl", validation_file="v.jsonl"))
 
@@ -140,8 +171,13 @@ def test_flags_are_only_the_changes(tmp_path):
 def _random_config(rng: random.Random) -> TrainConfig | None:
     """A TrainConfig with random fields changed (None when the mix is one the CLI refuses)."""
     hints = typing.get_type_hints(TrainConfig)
-    choices = {"attention": ATTENTION, "eval_attention": ("eager", "sdpa"), "report_to": TRACKERS,
-               "hub_model_id": ("me/chat", None), "lr_scheduler_type": ("linear", "cosine", "constant")}
+    choices = {
+        "attention": ATTENTION,
+        "eval_attention": ("eager", "sdpa"),
+        "report_to": TRACKERS,
+        "hub_model_id": ("me/chat", None),
+        "lr_scheduler_type": ("linear", "cosine", "constant"),
+    }
     texts = ("", "-x: ", "--num_beams 9 ", "chat bot's: ", "a=b", "runs/x y", "ünï ☃")
     values = {}
     for f in dataclasses.fields(TrainConfig):
@@ -179,12 +215,50 @@ def test_commands_of_many_specs_round_trip(roots, tmp_path):
     _, uploads = roots
     train = write_jsonl(uploads / "train.jsonl", good_rows(10))
     val = write_jsonl(uploads / "val.jsonl", good_rows(3))
-    specs = [spec(), spec(max_target_length=8, source_prefix="-p "), spec(n_train=100, n_val=1, logging_steps=1),
-             spec(split_train_file=str(train)), spec(train_file=str(train), validation_file=str(val)),
-             spec(push_to_hub=True, hub_model_id="me/chat", checkpointing_steps=3, num_warmup_steps=7),
-             spec(save_model=False, pad_to_max_length=True, seed=0, weight_decay=0.01, val_max_target_length=30),
-             spec("facebook/blenderbot-400M-distill", dataset_name="smangrul/MuDoConv", num_gpus=4, strategy="ddp")]
+    specs = [
+        spec(),
+        spec(max_target_length=8, source_prefix="-p "),
+        spec(n_train=100, n_val=1, logging_steps=1),
+        spec(split_train_file=str(train)),
+        spec(train_file=str(train), validation_file=str(val)),
+        spec(push_to_hub=True, hub_model_id="me/chat", checkpointing_steps=3, num_warmup_steps=7),
+        spec(save_model=False, pad_to_max_length=True, seed=0, weight_decay=0.01, val_max_target_length=30),
+        spec("facebook/blenderbot-400M-distill", dataset_name="smangrul/MuDoConv", num_gpus=4, strategy="ddp"),
+    ]
     for made in specs:
         for resume in (False, True):
             argv = build_command(made, tmp_path / "run", resume=resume)
             assert parse_args(launcher_args(argv).training_script_args) == run_config(made, tmp_path / "run", resume)
+
+
+# --------------------------------------------------------------------------- what people are shown
+
+
+def test_the_shown_command_names_paths_relative_to_the_repository(roots, tmp_path, monkeypatch):
+    """Show command, a run's status and its log are open to visitors: no server folders in them,
+    and the line still runs from the repository root (here tmp_path / "repo" plays it)."""
+    runs, _ = roots
+    repo = tmp_path / "repo"
+    monkeypatch.setattr(command, "ROOT", repo)
+    uploads = repo / "data" / "uploads"
+    uploads.mkdir(parents=True)
+    monkeypatch.setenv("PERSONA_CHAT_DATA", str(uploads))
+    train = write_jsonl(uploads / "my train.jsonl", good_rows(10))
+    made = spec(train_file=str(train), validation_file=str(train))
+    run_dir = repo / "runs" / "20250101-000000-abcdef"
+    argv = build_command(made, run_dir)
+    shown = command.display_command(argv)
+    assert str(repo) not in shown and sys.executable not in shown
+    assert shown.startswith("python -m accelerate.commands.launch --config_file configs/accelerate/cpu_zero2.yaml")
+    assert "--train_file 'data/uploads/my train.jsonl'" in shown
+    assert shown.endswith("--output_dir runs/20250101-000000-abcdef")
+    # token for token the same command, run from the repository root
+    words = shlex.split(shown)
+    assert words[0] == "python" and len(words) == len(argv)
+    assert all(w == a or repo / w == Path(a) for w, a in zip(words[1:], argv[1:]))
+    # paths outside the repository stay as they are; "--flag=value" values are shown the same way
+    outside = build_command(made, runs / "20250101-000000-abcdef")
+    assert command.display_command(outside).endswith(f"--output_dir {runs / '20250101-000000-abcdef'}")
+    assert command.display_command(["python", f"--x={repo / '-odd'}", str(repo)]) == "python --x=./-odd ."
+    preview = RunManager(repo / "runs").command_preview(made)
+    assert preview.endswith("--output_dir 'runs/<run_id>'") and str(repo) not in preview

@@ -11,7 +11,7 @@ from jobs_helpers import launcher_args, settled, spec, wait_for
 
 from finetune import checkpoint as ckpt
 from finetune.config import parse_args
-from finetune.jobs import process
+from finetune.jobs import command, process
 from finetune.jobs.manager import RunBusyError, RunManager
 from finetune.jobs.status import RunStatus
 
@@ -41,20 +41,85 @@ def old_run_folder(runs):
     run_dir = runs / OLD_RUN_ID
     (run_dir / "checkpoints" / "step_5").mkdir(parents=True)
     (run_dir / "checkpoints" / "step_5" / "trainer_state.json").write_text("{}")
-    spec = {"model": "tiny", "dataset": "sample", "validation_file": None, "n_train": 200, "n_val": 8, "epochs": 2,
-            "learning_rate": 0.001, "train_batch_size": 8, "eval_batch_size": 8, "max_source_length": 128,
-            "max_target_length": 8, "source_prefix": "chatbot: ", "strategy": "zero2", "precision": "auto",
-            "num_gpus": 0, "checkpointing_steps": 5, "num_beams": 1, "push_to_hub": False, "hub_model_id": None,
-            "hub_private": False, "logging_steps": 2}
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml",
-            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "29512", "-m", "finetune",
-            "--model_name_or_path", "tiny", "--dataset_name", "sample", "--n_train", "200", "--n_val", "8",
-            "--num_train_epochs", "2", "--learning_rate", "0.001", "--per_device_train_batch_size", "8",
-            "--per_device_eval_batch_size", "8", "--max_source_length", "128", "--max_target_length", "8",
-            "--source_prefix=chatbot: ", "--num_beams", "1", "--logging_steps", "2", "--val_min_target_length", "8",
-            "--checkpointing_steps", "5", "--output_dir", str(run_dir)]
-    attempt = {"argv": argv, "pid": 999_999_999, "pgid": 999_999_999, "started": time.time(), "resume": False,
-               "metrics_offset": 0, "log_offset": 0, "exit_code": 0}
+    spec = {
+        "model": "tiny",
+        "dataset": "sample",
+        "validation_file": None,
+        "n_train": 200,
+        "n_val": 8,
+        "epochs": 2,
+        "learning_rate": 0.001,
+        "train_batch_size": 8,
+        "eval_batch_size": 8,
+        "max_source_length": 128,
+        "max_target_length": 8,
+        "source_prefix": "chatbot: ",
+        "strategy": "zero2",
+        "precision": "auto",
+        "num_gpus": 0,
+        "checkpointing_steps": 5,
+        "num_beams": 1,
+        "push_to_hub": False,
+        "hub_model_id": None,
+        "hub_private": False,
+        "logging_steps": 2,
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "configs/accelerate/cpu_zero2.yaml",
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        "29512",
+        "-m",
+        "finetune",
+        "--model_name_or_path",
+        "tiny",
+        "--dataset_name",
+        "sample",
+        "--n_train",
+        "200",
+        "--n_val",
+        "8",
+        "--num_train_epochs",
+        "2",
+        "--learning_rate",
+        "0.001",
+        "--per_device_train_batch_size",
+        "8",
+        "--per_device_eval_batch_size",
+        "8",
+        "--max_source_length",
+        "128",
+        "--max_target_length",
+        "8",
+        "--source_prefix=chatbot: ",
+        "--num_beams",
+        "1",
+        "--logging_steps",
+        "2",
+        "--val_min_target_length",
+        "8",
+        "--checkpointing_steps",
+        "5",
+        "--output_dir",
+        str(run_dir),
+    ]
+    attempt = {
+        "argv": argv,
+        "pid": 999_999_999,
+        "pgid": 999_999_999,
+        "started": time.time(),
+        "resume": False,
+        "metrics_offset": 0,
+        "log_offset": 0,
+        "exit_code": 0,
+    }
     info = {"run_id": OLD_RUN_ID, "spec": spec, "created": time.time(), **attempt, "attempts": [attempt]}
     (run_dir / "run.json").write_text(json.dumps(info, indent=2))
     (run_dir / "train.log").write_text("=== start\nstep 5: checkpoint\n")
@@ -69,21 +134,33 @@ def old_run_folder(runs):
 def test_old_run_folders_show_list_and_resume(roots, monkeypatch):
     runs, _ = roots
     run_dir, old_argv = old_run_folder(runs)
+    monkeypatch.setattr(command, "ROOT", runs.parent)  # the runs root is in "the repository"
     manager = RunManager(runs)
     assert manager.runs() == [OLD_RUN_ID]
     status = manager.status()
     assert (status.run_id, status.state, status.step, status.total_steps) == (OLD_RUN_ID, "stopped", 5, 26)
-    assert status.has_checkpoint and status.command.endswith(f"--output_dir {run_dir}")
+    assert status.has_checkpoint and status.command.endswith(f"--output_dir runs/{OLD_RUN_ID}")
+    assert status.command.startswith("python -m accelerate.commands.launch") and str(runs) not in status.command
 
     launched = []  # the resumed command, run by a stub that looks like the run's process and ends at once
     real_spawn = process.spawn
-    monkeypatch.setattr(process, "spawn", lambda argv, folder, log: launched.append(argv) or real_spawn(
-        [sys.executable, "-c", "pass", "finetune", str(folder)], folder, log))
+    monkeypatch.setattr(
+        process,
+        "spawn",
+        lambda argv, folder, log: (
+            launched.append(argv) or real_spawn([sys.executable, "-c", "pass", "finetune", str(folder)], folder, log)
+        ),
+    )
     manager.resume(OLD_RUN_ID)
     new = parse_args(launcher_args(launched[0]).training_script_args)
     assert new == parse_args([*launcher_args(old_argv).training_script_args, "--resume_from_checkpoint", "latest"])
     info = json.loads((run_dir / "run.json").read_text())
     assert info["spec"]["epochs"] == 2 and len(info["attempts"]) == 2 and info["argv"] == launched[0]
+    header = (run_dir / "train.log").read_text().splitlines()[-1]  # visitors read the log: no server folders
+    assert header.startswith("=== resume ") and header.endswith(
+        f"--output_dir runs/{OLD_RUN_ID} --resume_from_checkpoint latest"
+    )
+    assert str(runs) not in header and launched[0][-3] == str(run_dir)  # what runs has the real folder
     wait_for(manager, OLD_RUN_ID, settled, timeout=30)
 
 
@@ -131,7 +208,8 @@ def test_real_run_finishes(finished_run, runs_root):
     assert status.samples_per_second > 0 and status.gpu_mem_gib is None and status.error is None
     assert status.final_dir == str(run_dir / "final") and (run_dir / "final" / "model.safetensors").is_file()
     assert "final model in" in status.log_tail and len(status.log_tail.splitlines()) <= 40
-    assert status.command.startswith(f"{sys.executable} -m accelerate.commands.launch --config_file")
+    assert status.command.startswith("python -m accelerate.commands.launch --config_file configs/accelerate/")
+    assert sys.executable not in status.command and not status.samples_private  # the shipped sample is public
     label, path = manager.finished_runs()[0]
     assert path == status.final_dir and label == f"{status.run_id} (BLEU {status.eval_bleu:.1f})"
     # the child was reaped: no zombie left
@@ -161,8 +239,13 @@ def test_push_failure_is_clear_and_token_stays_secret(finished_run, runs_root, m
 
 def test_stop_reattach_and_resume(tiny_path, runs_root, finished_run):
     manager = RunManager(runs_root)
-    made = spec(**{**TINY, "per_device_train_batch_size": 16}, n_train=1400, num_train_epochs=2,
-                checkpointing_steps=20, logging_steps=5)
+    made = spec(
+        **{**TINY, "per_device_train_batch_size": 16},
+        n_train=1400,
+        num_train_epochs=2,
+        checkpointing_steps=20,
+        logging_steps=5,
+    )
     run_id = manager.start(made).run_id
     running = wait_for(manager, run_id, lambda s: s.step >= 1 or settled(s))
     assert running.state == "running", running.error or running.log_tail
@@ -185,7 +268,7 @@ def test_stop_reattach_and_resume(tiny_path, runs_root, finished_run):
     assert done.step == 88 and len(done.bleu_points) == 2 and done.eval_bleu is not None
     steps = [p["step"] for p in done.loss_points]
     assert steps == sorted(set(steps)) and steps[-1] == 88 and stopped.step < steps[-1]
-    starts = [json.loads(l) for l in (runs_root / run_id / "metrics.jsonl").read_text().splitlines()]
+    starts = [json.loads(row) for row in (runs_root / run_id / "metrics.jsonl").read_text().splitlines()]
     assert [e["resumed_at"] for e in starts if e["event"] == "start"] == [0, stopped.step]
     assert len(json.loads((runs_root / run_id / "run.json").read_text())["attempts"]) == 2
     assert restarted.finished_runs()[0][0].split()[0] == run_id

@@ -8,44 +8,85 @@ import pytest
 from jobs_helpers import spec
 
 from chat.layout import ROOT
-from finetune.config import TrainConfig
-from finetune.jobs.spec import APP_PRESET, JobSpec, _from_run_spec, app_config, app_defaults, make_config
+from finetune.config import TrainConfig, parse_args
+from finetune.jobs.spec import APP_PRESET, LIMITS, JobSpec, _from_run_spec, app_config, app_defaults, make_config
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"num_train_epochs": 0}, "num_train_epochs must be >= 1"),
-    ({"num_train_epochs": 2.5}, "num_train_epochs must be a whole number"),
-    ({"per_device_train_batch_size": None}, "per_device_train_batch_size is required"),
-    ({"n_train": 0}, "n_train must be >= 1"),
-    ({"learning_rate": 0}, "learning_rate must be > 0"),
-    ({"learning_rate": float("nan")}, "learning_rate must be a finite number"),
-    ({"learning_rate": "fast"}, "learning_rate must be a number"),
-    ({"num_beams": True}, "num_beams must be a whole number"),
-    ({"push_to_hub": "yes"}, "push_to_hub must be true or false"),
-    ({"source_prefix": 3}, "source_prefix must be text"),
-    ({"strategy": "fsdp"}, "strategy must be one of zero2, zero3_offload, ddp"),
-    ({"precision": "int8"}, "precision must be one of"),
-    ({"num_gpus": -1}, "num_gpus must be >= 0"),
-    ({"strategy": "ddp"}, "needs GPUs"),
-    ({"strategy": "zero3_offload"}, "needs GPUs"),
-    ({"precision": "fp16"}, "needs GPUs"),
-    ({"precision": "bf16"}, "needs GPUs"),
-    ({"push_to_hub": True}, "push_to_hub needs --hub_model_id"),
-    ({"hub_model_id": "no-slash"}, "must look like 'user/name'"),
-    ({"hub_model_id": "a b/c"}, "must look like 'user/name'"),
-    ({"validation_file": str(ROOT / "data/sample/validation.jsonl")}, "--train_file and --validation_file go together"),
-    ({"model": ""}, "model is required"),
-    ({"model": "two words"}, "is not a preset"),
-    ({"dataset_name": ""}, "give --dataset_name or --train_file"),
-    ({"dataset_name": "a b/c"}, "is not 'sample'"),
-    ({"output_dir": "/tmp/elsewhere"}, "output_dir is not part of a run's spec"),
-    ({"resume_from_checkpoint": "latest"}, "resume_from_checkpoint is not part of a run's spec"),
-    ({"profile_dir": "/tmp/profile"}, "profile_dir writes outside the run folder"),
-    ({"no_such_setting": 1}, "unknown training settings: no_such_setting"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"num_train_epochs": 0}, "num_train_epochs must be >= 1"),
+        ({"num_train_epochs": 2.5}, "num_train_epochs must be a whole number"),
+        ({"per_device_train_batch_size": None}, "per_device_train_batch_size is required"),
+        ({"n_train": 0}, "n_train must be >= 1"),
+        ({"learning_rate": 0}, "learning_rate must be > 0"),
+        ({"learning_rate": float("nan")}, "learning_rate must be a finite number"),
+        ({"learning_rate": "fast"}, "learning_rate must be a number"),
+        ({"num_beams": True}, "num_beams must be a whole number"),
+        ({"push_to_hub": "yes"}, "push_to_hub must be true or false"),
+        ({"source_prefix": 3}, "source_prefix must be text"),
+        ({"strategy": "fsdp"}, "strategy must be one of zero2, zero3_offload, ddp"),
+        ({"precision": "int8"}, "precision must be one of"),
+        ({"num_gpus": -1}, "num_gpus must be >= 0"),
+        ({"strategy": "ddp"}, "needs GPUs"),
+        ({"strategy": "zero3_offload"}, "needs GPUs"),
+        ({"precision": "fp16"}, "needs GPUs"),
+        ({"precision": "bf16"}, "needs GPUs"),
+        ({"push_to_hub": True}, "push_to_hub needs --hub_model_id"),
+        ({"hub_model_id": "no-slash"}, "must look like 'user/name'"),
+        ({"hub_model_id": "a b/c"}, "must look like 'user/name'"),
+        (
+            {"validation_file": str(ROOT / "data/sample/validation.jsonl")},
+            "--train_file and --validation_file go together",
+        ),
+        ({"model": ""}, "model is required"),
+        ({"model": "two words"}, "is not a preset"),
+        ({"dataset_name": ""}, "give --dataset_name or --train_file"),
+        ({"dataset_name": "a b/c"}, "is not 'sample'"),
+        ({"output_dir": "/tmp/elsewhere"}, "output_dir is not part of a run's spec"),
+        ({"resume_from_checkpoint": "latest"}, "resume_from_checkpoint is not part of a run's spec"),
+        ({"profile_dir": "/tmp/profile"}, "profile_dir writes outside the run folder"),
+        ({"no_such_setting": 1}, "unknown training settings: no_such_setting"),
+    ],
+)
 def test_spec_validation(roots, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         spec(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"num_train_epochs": 1e30}, "num_train_epochs must be at most 1,000 for runs of the app, got 1e+30"),
+        ({"num_beams": 1000}, "num_beams must be at most 32 for runs of the app, got 1,000"),
+        ({"per_device_train_batch_size": 1e9}, "per_device_train_batch_size must be at most 65,536"),
+        ({"per_device_eval_batch_size": 65537}, "per_device_eval_batch_size must be at most 65,536"),
+        ({"max_source_length": 100000}, "max_source_length must be at most 1,024"),
+        ({"max_target_length": 1025}, "max_target_length must be at most 1,024"),
+        ({"max_train_steps": 10**7 + 1}, "max_train_steps must be at most 10,000,000"),
+        ({"logging_steps": 10**8}, "logging_steps must be at most 10,000,000"),
+        ({"checkpointing_steps": 10**8}, "checkpointing_steps must be at most 10,000,000"),
+        ({"n_train": 10**9 + 1}, "n_train must be at most 1,000,000,000"),
+        ({"n_val": 1e12}, "n_val must be at most 1,000,000,000"),
+        ({"gradient_accumulation_steps": 2048}, "gradient_accumulation_steps must be at most 1,024"),
+        ({"learning_rate": 1.5}, "learning_rate must be at most 1 for runs of the app, got 1.5"),
+        ({"num_warmup_steps": 10**9}, "num_warmup_steps must be at most 10,000,000"),
+        ({"dataloader_num_workers": 1000}, "dataloader_num_workers must be at most 64"),
+    ],
+)
+def test_spec_upper_bounds(roots, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        spec(**kwargs)
+    ((name, value),) = kwargs.items()
+    with pytest.raises(ValueError, match=re.escape(message)):  # run.json's spec is checked the same way
+        JobSpec.from_dict({**spec().to_dict(), "config": {**spec().to_dict()["config"], name: value}})
+
+
+def test_spec_accepts_values_at_the_bounds(roots):
+    at = {name: limit for name, limit in LIMITS.items() if name != "val_min_target_length"}
+    made = spec(**at)
+    assert all(getattr(made.config, name) == limit for name, limit in at.items())
+    assert parse_args(["--num_beams", "1000", "--num_train_epochs", "100000"]).num_beams == 1000  # the CLI: as it was
 
 
 def test_spec_accepts_form_values(roots):
@@ -81,8 +122,11 @@ def test_the_app_preset_is_one_dict_of_config_overrides():
 def test_run_json_spec_round_trips(roots):
     _, uploads = roots
     (uploads / "train.jsonl").write_text('{"texts": "a", "labels": "b"}\n' * 3)
-    for made in (spec(), spec(max_target_length=8, n_train=50, push_to_hub=True, hub_model_id="me/chat"),
-                 spec(split_train_file=str(uploads / "train.jsonl"))):
+    for made in (
+        spec(),
+        spec(max_target_length=8, n_train=50, push_to_hub=True, hub_model_id="me/chat"),
+        spec(split_train_file=str(uploads / "train.jsonl")),
+    ):
         data = made.to_dict()
         assert set(data) == {"config", "strategy", "precision", "num_gpus", "split_train_file"}
         assert "output_dir" not in data["config"] and "resume_from_checkpoint" not in data["config"]
@@ -90,10 +134,26 @@ def test_run_json_spec_round_trips(roots):
 
 
 OLD_SPEC = {  # run.json's "spec" as written by finetune/runner.py's RunSpec
-    "model": "tiny", "dataset": "sample", "validation_file": None, "n_train": 200, "n_val": 8, "epochs": 2,
-    "learning_rate": 0.001, "train_batch_size": 8, "eval_batch_size": 8, "max_source_length": 128,
-    "max_target_length": 8, "source_prefix": "-x: ", "strategy": "zero2", "precision": "auto", "num_gpus": 0,
-    "checkpointing_steps": 5, "num_beams": 1, "push_to_hub": False, "hub_model_id": None, "hub_private": False,
+    "model": "tiny",
+    "dataset": "sample",
+    "validation_file": None,
+    "n_train": 200,
+    "n_val": 8,
+    "epochs": 2,
+    "learning_rate": 0.001,
+    "train_batch_size": 8,
+    "eval_batch_size": 8,
+    "max_source_length": 128,
+    "max_target_length": 8,
+    "source_prefix": "-x: ",
+    "strategy": "zero2",
+    "precision": "auto",
+    "num_gpus": 0,
+    "checkpointing_steps": 5,
+    "num_beams": 1,
+    "push_to_hub": False,
+    "hub_model_id": None,
+    "hub_private": False,
     "logging_steps": 2,
 }
 
@@ -101,9 +161,19 @@ OLD_SPEC = {  # run.json's "spec" as written by finetune/runner.py's RunSpec
 def test_old_run_spec_is_read(roots):
     _, uploads = roots
     made = JobSpec.from_dict(OLD_SPEC)
-    assert made == spec(n_train=200, n_val=8, num_train_epochs=2, learning_rate=1e-3, per_device_train_batch_size=8,
-                        per_device_eval_batch_size=8, max_target_length=8, source_prefix="-x: ",
-                        checkpointing_steps=5, num_beams=1, logging_steps=2)
+    assert made == spec(
+        n_train=200,
+        n_val=8,
+        num_train_epochs=2,
+        learning_rate=1e-3,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        max_target_length=8,
+        source_prefix="-x: ",
+        checkpointing_steps=5,
+        num_beams=1,
+        logging_steps=2,
+    )
     assert made.config.val_min_target_length == 8  # as the old command's --val_min_target_length 8
 
     train = uploads / "train.jsonl"
@@ -114,8 +184,16 @@ def test_old_run_spec_is_read(roots):
     assert alone.split_train_file == str(train) and alone.config.train_file is None
     both = JobSpec.from_dict({**OLD_SPEC, "dataset": str(train), "validation_file": str(val)})
     assert (both.config.train_file, both.config.validation_file, both.split_train_file) == (str(train), str(val), None)
-    hub = _from_run_spec({**OLD_SPEC, "dataset": "smangrul/MuDoConv", "model": "facebook/blenderbot-400M-distill",
-                          "num_gpus": 2, "strategy": "ddp", "precision": "bf16"})
+    hub = _from_run_spec(
+        {
+            **OLD_SPEC,
+            "dataset": "smangrul/MuDoConv",
+            "model": "facebook/blenderbot-400M-distill",
+            "num_gpus": 2,
+            "strategy": "ddp",
+            "precision": "bf16",
+        }
+    )
     assert hub["config"]["dataset_name"] == "smangrul/MuDoConv"
     assert (hub["num_gpus"], hub["strategy"], hub["precision"]) == (2, "ddp", "bf16")
     assert hub["config"]["model_name_or_path"] == "facebook/blenderbot-400M-distill"
