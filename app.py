@@ -68,7 +68,8 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
 
         # The Train tab's live view, from the run directory, so every page shows the same run; a
         # newly finished run also appears in both model lists.
-        def redraw(cache):
+        def redraw(cache, token: str | None, profile: gr.OAuthProfile | None):
+            visitor = auth.who(train.auth, token, profile, touch=False) is None
             return train_handlers.live_view(
                 train,
                 cache,
@@ -76,15 +77,16 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
                     lambda: train_handlers.model_list_update(train),
                     lambda: chat_handlers.refresh_models(engine, train.manager.root),
                 ),
+                visitor=visitor,
             )
 
         live = [tab.cache, *tab.live, chat.picker]
         # Poll only while the Train tab is shown: a page left on the chat costs the server nothing.
         train_page.select(lambda: gr.Timer(active=True), None, tab.timer, queue=False, **PRIVATE)
         chat_page.select(lambda: gr.Timer(active=False), None, tab.timer, queue=False, **PRIVATE)
-        tab.timer.tick(redraw, tab.cache, live, queue=False, show_progress="hidden", **PRIVATE)
+        tab.timer.tick(redraw, [tab.cache, session], live, queue=False, show_progress="hidden", **PRIVATE)
         for event in tab.actions:  # show what an action did at once, not at the next tick
-            event.success(redraw, tab.cache, live, queue=False, show_progress="hidden", **PRIVATE)
+            event.success(redraw, [tab.cache, session], live, queue=False, show_progress="hidden", **PRIVATE)
 
         def on_page_load(token: str | None, profile: gr.OAuthProfile | None):
             # The model is shared: show what is serving now whenever a page opens, and re-attach
@@ -92,7 +94,7 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
             return (
                 chat_handlers.serving_markdown(engine),
                 auth.login_markdown(train.auth, token, profile),
-                *redraw(None),
+                *redraw(None, token, profile),
             )
 
         demo.load(on_page_load, session, [status, tab.auth, *live], queue=False, **PRIVATE)

@@ -79,8 +79,9 @@ class Logins:
                 self._last_use.popitem(last=False)
         return token
 
-    def check(self, token) -> bool:
-        """Is ``token`` a live login? A yes counts as a use (the idle clock restarts)."""
+    def check(self, token, touch: bool = True) -> bool:
+        """Is ``token`` a live login? With ``touch`` a yes counts as a use (the idle clock restarts);
+        a page's polling asks without it, so an open tab alone does not keep a login alive."""
         if not isinstance(token, str) or not token:
             return False
         key, now = _digest(token), time.monotonic()
@@ -91,8 +92,9 @@ class Logins:
             if now - last > self.idle_seconds:
                 del self._last_use[key]
                 return False
-            self._last_use[key] = now
-            self._last_use.move_to_end(key)
+            if touch:
+                self._last_use[key] = now
+                self._last_use.move_to_end(key)
             return True
 
     def revoke(self, token) -> None:
@@ -191,9 +193,10 @@ def _username(profile) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def who(config: AuthConfig, token: str | None, profile=None) -> str | None:
-    """Who is logged in with this login token / profile ("password" or "@username"), or None."""
-    if config.password and config.logins.check(token):
+def who(config: AuthConfig, token: str | None, profile=None, touch: bool = True) -> str | None:
+    """Who is logged in with this login token / profile ("password" or "@username"), or None
+    (``touch``: whether this counts as a use of the login, see ``Logins.check``)."""
+    if config.password and config.logins.check(token, touch):
         return "password"
     name = _username(profile)
     if config.oauth and name and name.lower() in config.users:

@@ -31,7 +31,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from chat.layout import DEFAULT_MODEL
+from chat.layout import DEFAULT_MODEL, ROOT
 from finetune.config import DEFAULT_DATASET
 from finetune.jobs import paths
 from finetune.jobs.command import detect_gpus
@@ -452,19 +452,33 @@ def _signature(value) -> str:
     return value.to_json() if isinstance(value, pd.DataFrame) else repr(value)
 
 
-def live_view(tab: TrainTab, cache: dict | None, model_updates: Sequence[Callable[[], object]] = ()) -> tuple:
+def server_paths_hidden(text: str, tab: TrainTab) -> str:
+    """``text`` with the server's absolute folders shown as the short names users know (the
+    repository's own paths relative to it, ``runs/...``, ``data/uploads/...``)."""
+    for folder, shown in ((tab.manager.root, "runs"), (tab.data_root, "data/uploads"), (ROOT, ".")):
+        text = text.replace(f"{Path(folder).resolve()}/", f"{shown}/").replace(str(Path(folder).resolve()), shown)
+    return text
+
+
+def live_view(
+    tab: TrainTab, cache: dict | None, model_updates: Sequence[Callable[[], object]] = (), visitor: bool = True
+) -> tuple:
     """The timer's redraw: (cache, run text, loss, BLEU, samples, log tail, *model-list updates).
 
     Only what changed since this page's last redraw is sent (gr.skip() otherwise), so plots do
     not flicker and an open dropdown is not reset. ``model_updates`` make the updates of the
-    model lists (the Train tab's base model, the Chat tab's picker) when the finished runs change."""
+    model lists (the Train tab's base model, the Chat tab's picker) when the finished runs change.
+    A ``visitor`` (not logged in) sees no validation rows of runs on possibly private data, and
+    nobody sees the server's absolute folders."""
     status = tab.manager.status()
+    if visitor:
+        status = status.for_visitor()
     values = {
-        "run": run_markdown(status),
+        "run": server_paths_hidden(run_markdown(status), tab),
         "loss": loss_frame(status),
         "bleu": bleu_frame(status),
         "samples": samples_frame(status),
-        "log": status.log_tail,
+        "log": server_paths_hidden(status.log_tail, tab),
         "finals": tuple(path for _, path in tab.manager.finished_runs()),
     }
     cache = dict(cache or {})

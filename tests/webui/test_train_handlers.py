@@ -477,7 +477,9 @@ def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
 def test_live_view_sends_only_changes(tab):
     calls = []
     makers = (lambda: calls.append("train") or "train-models", lambda: calls.append("chat") or "chat-models")
-    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_handlers.live_view(tab, None, makers)
+    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_handlers.live_view(
+        tab, None, makers, visitor=False
+    )
     assert run.startswith("💤 No run yet") and list(loss.columns) == ["step", "loss"] and loss.empty
     assert log_tail == "" and (train_models, chat_models) == ("train-models", "chat-models")
 
@@ -487,7 +489,7 @@ def test_live_view_sends_only_changes(tab):
     run_dir = fake_finished_run(tab)
     cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_handlers.live_view(tab, cache, makers)
     assert "**Run 20250101-000000-abcdef**: finished" in run and "step 4 / 4 (100%)" in run and "BLEU 3.25" in run
-    assert f"`{run_dir / 'final'}`" in run and "Model** list" in run
+    assert f"`runs/{run_dir.name}/final`" in run and str(tab.manager.root) not in run and "Model** list" in run
     pd.testing.assert_frame_equal(loss, pd.DataFrame({"step": [1, 2, 4], "loss": [7.5, 7.0, 6.5]}))
     assert bleu.to_dict("records") == [{"step": 4, "bleu": 3.25}]
     assert len(samples) == train_handlers.SAMPLES_SHOWN and samples.iloc[0].to_dict() == {
@@ -498,6 +500,26 @@ def test_live_view_sends_only_changes(tab):
     assert log_tail.endswith("final model in final") and calls == ["train", "chat"] * 2
     cache, *again = train_handlers.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again)
+
+
+def test_visitors_do_not_see_rows_of_uploaded_data_nor_server_paths(tab):
+    run_dir = fake_finished_run(tab)
+    info = json.loads((run_dir / "run.json").read_text())
+    upload = tab.data_root / "20250101-000000-abcdef" / "train.jsonl"
+    write_rows(upload.parent.mkdir(parents=True) or upload, 30)
+    info["spec"] = JobSpec(app_config("tiny", dataset_name="sample"), split_train_file=str(upload)).to_dict()
+    (run_dir / "run.json").write_text(json.dumps(info))
+    with open(run_dir / "train.log", "a") as log:
+        log.write(
+            f"12:00:00 INFO finetune: prompt: 'secret' | prediction: 'x' | reference: 'y'\n"
+            f"12:00:01 INFO finetune: final model in {run_dir / 'final'}\n"
+        )
+    _, run, _, _, samples, log_tail = train_handlers.live_view(tab, None, visitor=True)
+    assert samples.empty and "secret" not in log_tail
+    assert str(tab.manager.root) not in run + log_tail and f"runs/{run_dir.name}/final" in log_tail
+    _, run, _, _, samples, log_tail = train_handlers.live_view(tab, None, visitor=False)  # the trainer sees them
+    assert len(samples) == train_handlers.SAMPLES_SHOWN and "secret" in log_tail
+    assert str(tab.manager.root) not in run + log_tail
 
 
 def test_run_markdown_states():
