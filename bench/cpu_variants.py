@@ -26,6 +26,9 @@ Replies are forced to ``--reply_tokens`` tokens (min = max new tokens): the defa
 Variants are interleaved prompt by prompt (with rotating order) so background load hits them
 alike; the CPU time other processes used during each variant's samples is reported as
 "other load" (in cores) to make noise visible.
+
+The measuring pieces (decoding settings, loading, prompts, timed replies, the memory probe) are
+in ``bench/cpu_probes.py``; this file runs the study and renders its table.
 """
 
 from __future__ import annotations
@@ -36,208 +39,26 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import replace
 
 import torch
 
-from bench.common import (
-    command_line,
-    cpu_name,
-    md_table,
-    percentile,
-    quiet_transformers,
-    sample_rows,
-    versions,
-    write_json,
+from bench.common import command_line, cpu_name, md_table, percentile, quiet_transformers, versions, write_json
+from bench.cpu_probes import (
+    FAITHFUL,
+    GREEDY,
+    build_prompts,
+    decoding,
+    load,
+    rss_probe,
+    run_probe,
+    teacher_forced_logits,
+    timed_beam,
+    timed_stream,
+    token_agreement,
 )
-from chat.engine import BASE_PREFIX, GENERATION_PRESETS, GenerationSettings, load_checkpoint
 from chat.layout import DEMO_DIR, ROOT
-from chat.model import load_model, load_tokenizer
-from chat.optimize import OPTIMIZE_MODES, memory_mib, optimize_for_cpu
-
-# The study compares the model's modes, not the engine's extras: greedy is the ``fast`` preset's
-# decoding without its n-gram blocking and repetition penalty (the engine's own cost, timed with
-# them in docs/chat-benchmarks.md); beam-10 is the ``faithful`` preset unchanged.
-GREEDY = replace(GENERATION_PRESETS["fast"], no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
-                 repetition_penalty=1.0)
-FAITHFUL = GENERATION_PRESETS["faithful"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Setup helpers
-
-
-def decoding(settings: GenerationSettings, reply_tokens: int, forced: bool = True) -> dict:
-    """generate() kwargs of ``settings`` for replies of at most ``reply_tokens`` tokens, exactly as
-    many when ``forced`` (random weights never emit EOS; the demo check stops naturally)."""
-    settings = replace(settings, min_new_tokens=reply_tokens if forced else 0, max_new_tokens=reply_tokens)
-    return settings.generate_kwargs()
-
-
-def load(spec: str, mode: str):
-    """``spec`` as the chat engine serves it in ``mode``: model (on the CPU) and tokenizer."""
-    loaded = load_checkpoint(spec, optimize=mode)
-    if loaded.model.device.type != "cpu":  # the engine serves on a GPU when it sees one
-        raise SystemExit("bench.cpu_variants is a CPU study: run it with CUDA_VISIBLE_DEVICES=")
-    return loaded.model, loaded.tokenizer
-
-
-def build_prompts(tokenizer, n: int, length: int) -> list[torch.Tensor]:
-    """``n`` prompts of exactly ``length`` tokens: BASE_PREFIX + the last tokens of a dialogue + </s>."""
-    rows = sample_rows("validation")
-    prefix = tokenizer(BASE_PREFIX, add_special_tokens=False).input_ids
-    body_len = length - len(prefix) - 1
-    if body_len < 1:
-        raise ValueError(f"prompt length {length} leaves no room after the prefix")
-    bodies = [tokenizer(r["texts"], add_special_tokens=False).input_ids for r in rows]
-    long_enough = [b for b in bodies if len(b) >= body_len]
-    if len(long_enough) < n:  # pad short dialogues with the next rows' text
-        long_enough = []
-        for i, body in enumerate(bodies):
-            j = i
-            while len(body) < body_len:
-                j = (j + 1) % len(bodies)
-                body = body + bodies[j]
-            long_enough.append(body)
-    picks = [long_enough[round(i * (len(long_enough) - 1) / max(n - 1, 1))] for i in range(n)]
-    eos = tokenizer.eos_token_id
-    return [torch.tensor([prefix + body[-body_len:] + [eos]]) for body in picks]
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring
-
-
-class CpuMeter:
-    """CPU time used by *other* processes (in cores) between ``start()`` and ``stop()``."""
-
-    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    @staticmethod
-    def _read() -> tuple[float, float, float]:
-        try:
-            with open("/proc/stat") as fh:
-                vals = [int(v) for v in fh.readline().split()[1:]]
-            busy = sum(vals) - vals[3] - (vals[4] if len(vals) > 4 else 0)  # minus idle, iowait
-            with open("/proc/self/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            own = int(fields[11]) + int(fields[12])  # utime + stime (all threads)
-            return busy, own, time.perf_counter()
-        except (OSError, ValueError, IndexError):
-            return 0, 0, time.perf_counter()
-
-    def start(self):
-        self._t0 = self._read()
-        return self
-
-    def stop(self) -> float:
-        busy, own, t = self._read()
-        busy0, own0, t0 = self._t0
-        return max(0.0, ((busy - busy0) - (own - own0)) / self.TICK / max(t - t0, 1e-6))
-
-
-def timed_stream(model, tokenizer, input_ids, reply_tokens: int) -> dict:
-    """Greedy through TextIteratorStreamer in a thread, as a streaming server does."""
-    from transformers import TextIteratorStreamer
-
-    kwargs = decoding(GREEDY, reply_tokens)
-
-    class Streamer(TextIteratorStreamer):
-        first_token_at = None
-
-        def put(self, value):
-            if self.first_token_at is None and not self.next_tokens_are_prompt:
-                self.first_token_at = time.perf_counter()
-            super().put(value)
-
-    streamer = Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
-    result: dict = {}
-
-    def target():
-        try:
-            with torch.inference_mode():
-                result["out"] = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                               streamer=streamer, **kwargs)
-        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread below
-            result["err"] = err
-            streamer.end()
-
-    meter = CpuMeter().start()
-    t0 = time.perf_counter()
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    first_text = None
-    for chunk in streamer:
-        if chunk and first_text is None:
-            first_text = time.perf_counter()
-    thread.join()
-    total = time.perf_counter() - t0
-    if "err" in result:
-        raise result["err"]
-    return {"latency": total, "first_token": (streamer.first_token_at or t0 + total) - t0,
-            "first_text": (first_text or t0 + total) - t0, "other": meter.stop(),
-            "tokens": result["out"][0, 1:].tolist()}
-
-
-def timed_beam(model, input_ids, reply_tokens: int) -> dict:
-    meter = CpuMeter().start()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             **decoding(FAITHFUL, reply_tokens))
-    return {"latency": time.perf_counter() - t0, "other": meter.stop(), "tokens": out[0, 1:].tolist()}
-
-
-def teacher_forced_logits(model, input_ids, decoder_ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                     decoder_input_ids=decoder_ids).logits.float()
-
-
-def token_agreement(a: list[int], b: list[int]) -> float:
-    n = max(len(a), len(b))
-    return sum(x == y for x, y in zip(a, b)) / n if n else 1.0
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory probe (runs in a fresh subprocess per mode)
-
-
-def rss_probe(model_name: str, mode: str, prompt_tokens: int, reply_tokens: int) -> dict:
-    """Memory and time of loading and optimizing, taken apart: the two steps ``load_checkpoint``
-    runs on a CPU (``load_model``, then ``optimize_for_cpu``), each timed on its own."""
-    quiet_transformers()
-    base = memory_mib()["rss"]
-    t0 = time.perf_counter()
-    model = load_model(model_name)
-    load_s = time.perf_counter() - t0
-    after_load = memory_mib()["rss"]
-    t0 = time.perf_counter()
-    model = optimize_for_cpu(model, mode)
-    optimize_s = time.perf_counter() - t0
-    after_opt = memory_mib()["rss"]
-    ids = build_prompts(load_tokenizer(model_name), 1, prompt_tokens)[0]
-    with torch.inference_mode():
-        for settings in (GREEDY, FAITHFUL):
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **decoding(settings, reply_tokens))
-    mem = memory_mib()
-    return {"mode": mode, "rss_imports_mib": base, "rss_after_load_mib": after_load,
-            "rss_after_optimize_mib": after_opt, "rss_serving_mib": mem["rss"], "anon_serving_mib": mem["anon"],
-            "file_serving_mib": mem["file"], "peak_mib": mem["peak"], "load_s": load_s, "optimize_s": optimize_s}
-
-
-def run_probe(model_name: str, mode: str, args) -> dict:
-    cmd = [sys.executable, "-m", "bench.cpu_variants", "--rss_probe", mode, "--model", model_name,
-           "--prompt_tokens", str(args.prompt_tokens), "--reply_tokens", str(args.reply_tokens)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"memory probe for {mode} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
-
+from chat.optimize import OPTIMIZE_MODES
 
 # ---------------------------------------------------------------------------------------------
 # Demo-model check: agreement with fp32 on real (tiny, trained) weights, natural stopping
@@ -326,33 +147,47 @@ def summarize(variants, samples: dict, ref_name: str, n_prompts: int, numbers: d
         def p(values: list[dict], key: str, q: float) -> float:
             return percentile([s[key] for s in values], q)
 
-        rows.append({
-            "variant": name, "mode": mode, "threads": threads,
-            "greedy_p50": p(g, "latency", 50), "greedy_p95": p(g, "latency", 95),
-            "first_token_p50": p(g, "first_token", 50), "first_token_p95": p(g, "first_token", 95),
-            "first_text_p50": p(g, "first_text", 50),
-            "beam_p50": p(b, "latency", 50), "beam_p95": p(b, "latency", 95),
-            "other_load": statistics.mean(s["other"] for s in g + b),
-            "greedy_agree": statistics.mean(token_agreement(s["tokens"], ref_greedy[s["prompt"]]) for s in g),
-            "beam_agree": statistics.mean(token_agreement(s["tokens"], ref_beam[s["prompt"]]) for s in b),
-            **numbers[mode], "memory": memory.get(mode),
-        })
+        rows.append(
+            {
+                "variant": name,
+                "mode": mode,
+                "threads": threads,
+                "greedy_p50": p(g, "latency", 50),
+                "greedy_p95": p(g, "latency", 95),
+                "first_token_p50": p(g, "first_token", 50),
+                "first_token_p95": p(g, "first_token", 95),
+                "first_text_p50": p(g, "first_text", 50),
+                "beam_p50": p(b, "latency", 50),
+                "beam_p95": p(b, "latency", 95),
+                "other_load": statistics.mean(s["other"] for s in g + b),
+                "greedy_agree": statistics.mean(token_agreement(s["tokens"], ref_greedy[s["prompt"]]) for s in g),
+                "beam_agree": statistics.mean(token_agreement(s["tokens"], ref_beam[s["prompt"]]) for s in b),
+                **numbers[mode],
+                "memory": memory.get(mode),
+            }
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_variants", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random-400M", help="preset name or model directory")
-    parser.add_argument("--variants", default="none,bf16,int8,int8@1",
-                        help="comma-separated MODE[@THREADS]; fp32 ('none' at the default thread count) is the "
-                             "reference and is always included")
+    parser.add_argument(
+        "--variants",
+        default="none,bf16,int8,int8@1",
+        help="comma-separated MODE[@THREADS]; fp32 ('none' at the default thread count) is the "
+        "reference and is always included",
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts")
     parser.add_argument("--prompt_tokens", type=int, default=64)
     parser.add_argument("--reply_tokens", type=int, default=24)
     parser.add_argument("--no_rss", action="store_true", help="skip the per-mode memory subprocesses")
-    parser.add_argument("--no_demo_check", action="store_true",
-                        help="skip the agreement check on the bundled trained demo model (chat/demo_model)")
+    parser.add_argument(
+        "--no_demo_check",
+        action="store_true",
+        help="skip the agreement check on the bundled trained demo model (chat/demo_model)",
+    )
     parser.add_argument("--busy", type=int, default=0, help="spin N busy processes while timing (simulated contention)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--rss_probe", help=argparse.SUPPRESS)
@@ -371,12 +206,24 @@ def main(argv: list[str] | None = None) -> int:
         variants.insert(0, (ref_name, "none", default_threads))
     variants = list(dict.fromkeys(variants))
     modes = list(dict.fromkeys(m for _, m, _ in variants))
-    header = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": default_threads, **versions(),
-              "model": args.model, "prompts": args.prompts, "repeats": args.repeats,
-              "prompt_tokens": args.prompt_tokens, "reply_tokens": args.reply_tokens,
-              "loadavg_start": os.getloadavg()[0], "command": command_line("bench.cpu_variants", argv)}
-    print(f"# {header['cpu']} ({header['cores']} CPUs), torch {header['torch']}, "
-          f"transformers {header['transformers']}, load average {header['loadavg_start']:.2f}", flush=True)
+    header = {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": default_threads,
+        **versions(),
+        "model": args.model,
+        "prompts": args.prompts,
+        "repeats": args.repeats,
+        "prompt_tokens": args.prompt_tokens,
+        "reply_tokens": args.reply_tokens,
+        "loadavg_start": os.getloadavg()[0],
+        "command": command_line("bench.cpu_variants", argv),
+    }
+    print(
+        f"# {header['cpu']} ({header['cores']} CPUs), torch {header['torch']}, "
+        f"transformers {header['transformers']}, load average {header['loadavg_start']:.2f}",
+        flush=True,
+    )
 
     memory = {}
     if not args.no_rss:
@@ -420,32 +267,61 @@ def main(argv: list[str] | None = None) -> int:
 def render(header: dict, results: list[dict], demo: dict | None) -> str:
     ref = results[0]
     h = header
-    title = (f"{h['cpu']}, {h['cores']} CPUs, torch {h['torch']}, transformers {h['transformers']}, {h['date']}; "
-             f"model {h['model']}; {h['prompts']} prompts x {h['repeats']} of {h['prompt_tokens']} tokens, replies "
-             f"forced to {h['reply_tokens']} tokens; load average {h['loadavg_start']:.2f} -> {h['loadavg_end']:.2f}; "
-             f"wall {h['wall_s']:.0f} s")
+    title = (
+        f"{h['cpu']}, {h['cores']} CPUs, torch {h['torch']}, transformers {h['transformers']}, {h['date']}; "
+        f"model {h['model']}; {h['prompts']} prompts x {h['repeats']} of {h['prompt_tokens']} tokens, replies "
+        f"forced to {h['reply_tokens']} tokens; load average {h['loadavg_start']:.2f} -> {h['loadavg_end']:.2f}; "
+        f"wall {h['wall_s']:.0f} s"
+    )
     lines = [title, ""]
     rows = []
     for r in results:
         mem = r["memory"]
-        rows.append([
-            r["variant"], f"{r['greedy_p50']:.2f} / {r['greedy_p95']:.2f}",
-            f"{r['first_token_p50']:.3f} / {r['first_token_p95']:.3f}", f"{r['beam_p50']:.2f} / {r['beam_p95']:.2f}",
-            f"{ref['greedy_p50'] / r['greedy_p50']:.1f}x / {ref['beam_p50'] / r['beam_p50']:.1f}x",
-            f"{mem['rss_serving_mib']:.0f} ({mem['anon_serving_mib']:.0f}) / {mem['peak_mib']:.0f}" if mem else "-",
-            f"{mem['load_s']:.1f} + {mem['optimize_s']:.1f}" if mem else "-",
-            f"{r['greedy_agree']:.0%} / {r['beam_agree']:.0%}", f"{r['teacher_forced_top1']:.0%}",
-            f"{r['logits_rel_err']:.4f}", f"{r['other_load']:.2f}",
-        ])
-    lines += md_table(["variant", "greedy p50 / p95 (s)", "1st token p50 / p95 (s)", "beam-10 p50 / p95 (s)",
-                       "speed-up greedy / beam", "RSS serving (anon) / peak (MiB)", "load + optimize (s)",
-                       "greedy / beam tokens = fp32", "TF top-1", "logits rel err", "other load (cores)"], rows)
+        rows.append(
+            [
+                r["variant"],
+                f"{r['greedy_p50']:.2f} / {r['greedy_p95']:.2f}",
+                f"{r['first_token_p50']:.3f} / {r['first_token_p95']:.3f}",
+                f"{r['beam_p50']:.2f} / {r['beam_p95']:.2f}",
+                f"{ref['greedy_p50'] / r['greedy_p50']:.1f}x / {ref['beam_p50'] / r['beam_p50']:.1f}x",
+                f"{mem['rss_serving_mib']:.0f} ({mem['anon_serving_mib']:.0f}) / {mem['peak_mib']:.0f}" if mem else "-",
+                f"{mem['load_s']:.1f} + {mem['optimize_s']:.1f}" if mem else "-",
+                f"{r['greedy_agree']:.0%} / {r['beam_agree']:.0%}",
+                f"{r['teacher_forced_top1']:.0%}",
+                f"{r['logits_rel_err']:.4f}",
+                f"{r['other_load']:.2f}",
+            ]
+        )
+    lines += md_table(
+        [
+            "variant",
+            "greedy p50 / p95 (s)",
+            "1st token p50 / p95 (s)",
+            "beam-10 p50 / p95 (s)",
+            "speed-up greedy / beam",
+            "RSS serving (anon) / peak (MiB)",
+            "load + optimize (s)",
+            "greedy / beam tokens = fp32",
+            "TF top-1",
+            "logits rel err",
+            "other load (cores)",
+        ],
+        rows,
+    )
     if demo:
         note = f"Trained demo model ({DEMO_DIR.relative_to(ROOT)}, d_model 128), natural stopping, agreement with its"
         lines += ["", note + " fp32 replies:", ""]
-        lines += md_table(["mode", "greedy identical replies / tokens", "beam-10 identical replies / tokens"],
-                          [[mode, f"{d['greedy_identical']:.0%} / {d['greedy_tokens']:.0%}",
-                            f"{d['beam_identical']:.0%} / {d['beam_tokens']:.0%}"] for mode, d in demo.items()])
+        lines += md_table(
+            ["mode", "greedy identical replies / tokens", "beam-10 identical replies / tokens"],
+            [
+                [
+                    mode,
+                    f"{d['greedy_identical']:.0%} / {d['greedy_tokens']:.0%}",
+                    f"{d['beam_identical']:.0%} / {d['beam_tokens']:.0%}",
+                ]
+                for mode, d in demo.items()
+            ],
+        )
     return "\n".join(lines)
 
 

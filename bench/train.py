@@ -24,6 +24,9 @@ first logged step, evaluation of 1,000 rows with the seed's generation settings)
 ``maxbatch`` (largest micro-batch per GPU: each probe is a short run; an out-of-memory probe
 ends cleanly with the CLI's own error and the next size is tried) and ``scaling`` (1 GPU vs all).
 Results: ``OUT/results.json`` and ``OUT/results.md``.
+
+This file plans the runs, writes their data and searches the largest batch; one run (its
+command line and numbers) is ``bench/train_runs.py``, the ratios and results.md ``bench/train_report.py``.
 """
 
 from __future__ import annotations
@@ -33,138 +36,21 @@ import json
 import logging
 import os
 import random
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from bench.common import command_line, device_name, md_table, versions, write_json
-from chat.layout import ROOT
+from bench.common import command_line, device_name, versions, write_json
+from bench.train_report import markdown, speedups
+from bench.train_runs import N_EVAL, PREFIX, Variant, run, setup_of
 
 log = logging.getLogger("bench.train")
 
-PREFIX = "chatbot: "  # the seed's --source_prefix, in both recipes
-FLOPS_PER_SAMPLE = 173e9  # 6 x weights x the tokens each weight sees at 128/64 (see docs/benchmarks.md)
 H200_PEAK_BF16 = 989e12  # dense bf16 tensor-core peak of one H200 (datasheet)
 PARTS = ("train", "realistic", "maxbatch", "scaling")
 N_ROWS = 34_000  # rows per data file (10 steps of 1,600 x 2 fit in one epoch); cached tokenization
-N_EVAL = 1_000
-
-
-@dataclass(frozen=True)
-class Variant:
-    recipe: str  # "seed" | "tuned"
-    strategy: str  # "zero2" | "ddp"
-    data: str  # "fixed" | "realistic"
-    batch: int  # micro-batch per process
-    processes: int
-    evaluate: bool = False  # 1,000 rows with the seed's generation settings
-    steps: int = 12
-    cpu: bool = False  # smoke mode: tiny model, fp32
-
-    @property
-    def precision(self) -> str:
-        return "fp32" if self.cpu else "fp16" if self.recipe == "seed" else "bf16"
-
-    @property
-    def name(self) -> str:
-        return f"{self.recipe}-{self.strategy}-{self.precision}-{self.data}-b{self.batch}-x{self.processes}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]:
-    """The exact launcher + CLI argv of one variant."""
-    if smoke:  # CPU: one process, DeepSpeed ZeRO-2 on gloo; the seed keeps its own JSON
-        launcher = ["--config_file", "configs/accelerate/cpu_zero2.yaml", "--num_processes", "1"]
-        if v.recipe == "seed":
-            launcher += ["--deepspeed_config_file", "configs/ds_zero2_seed.json"]
-    else:
-        config = {"zero2": "zero2_seed.yaml" if v.recipe == "seed" else "zero2.yaml", "ddp": "ddp.yaml"}[v.strategy]
-        launcher = ["--config_file", f"configs/accelerate/{config}", "--num_processes", str(v.processes),
-                    "--mixed_precision", v.precision]
-    eval_batch = max(1, N_EVAL // v.processes) if v.recipe == "tuned" else 100  # the seed evaluated 100 per GPU
-    args = [
-        "--model_name_or_path", "tiny" if smoke else "random-400M",
-        "--train_file", str(data_dir / f"{v.data}_train.jsonl"),
-        "--validation_file", str(data_dir / f"{v.data}_validation.jsonl"),
-        "--max_source_length", "128", "--max_target_length", "64", "--source_prefix", PREFIX,
-        "--val_max_target_length", "64", "--val_min_target_length", "64", "--num_beams", "10",
-        "--n_val", str(N_EVAL if v.evaluate else 2 * v.processes),
-        "--per_device_train_batch_size", str(v.batch), "--per_device_eval_batch_size", str(eval_batch),
-        "--max_train_steps", str(v.steps), "--logging_steps", "1" if v.cpu else "2", "--save_model", "false",
-        "--seed", "25",
-        "--learning_rate", "1e-6", "--weight_decay", "0.0", "--num_warmup_steps", "100",
-        "--output_dir", str(out_dir),
-    ]
-    if v.recipe == "seed":
-        args += ["--pad_to_max_length", "--group_by_length", "false", "--fast_ngram_blocking", "false",
-                 "--dataloader_num_workers", "0", "--attention", "sdpa", "--eval_attention", "sdpa"]
-    if smoke:
-        args[args.index("--n_val") + 1] = "8"
-        args[args.index("--per_device_eval_batch_size") + 1] = "8"
-    return [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port()),
-            *launcher, "-m", "finetune", *args]
-
-
-def summarize(events: list[dict], launched: float, v: Variant) -> dict:
-    """Numbers of one run from its metrics.jsonl events."""
-    logs = [e for e in events if e["event"] == "log"]
-    steady = [e["samples_per_second"] for e in logs if e["step"] > 2] or [e["samples_per_second"] for e in logs]
-    out = {"steps": len(logs), "losses": [round(e["loss"], 5) for e in logs]}
-    if steady:
-        rate = statistics.median(steady)
-        out.update(samples_per_second=rate, epoch_10k_seconds=10_000 / rate,
-                   first_step_seconds=logs[0]["time"] - launched)
-        if v.data == "fixed" and not v.cpu:  # the FLOP count is the 400M model's
-            out["tflops_per_gpu"] = rate * FLOPS_PER_SAMPLE / v.processes / 1e12
-    peaks = [e["gpu_mem_gib"] for e in logs if e.get("gpu_mem_gib") is not None]
-    if peaks:
-        out["peak_gib"] = max(peaks)
-    start = next((e for e in events if e["event"] == "start"), {})
-    if start.get("gpu_mem_static_gib") is not None:
-        out["static_gib"] = start["gpu_mem_static_gib"]
-    evals = [e for e in events if e["event"] == "eval"]
-    if v.evaluate and evals:
-        out.update(eval_seconds=evals[-1]["eval_epoch_seconds"], eval_bleu=evals[-1]["eval_bleu"])
-    return out
-
-
-def run(v: Variant, data_dir: Path, work: Path, smoke: bool, timeout: float, tag: str = "") -> dict:
-    out_dir = work / f"{tag}{v.name}"
-    if out_dir.exists():  # a rerun of the same variant starts clean
-        shutil.rmtree(out_dir)
-    argv = command(v, data_dir, out_dir, smoke)
-    log.info("%s: %s", v.name, " ".join(argv[2:]))
-    launched = time.time()
-    try:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
-        code, stderr = proc.returncode, proc.stderr
-    except subprocess.TimeoutExpired as err:
-        partial = err.stderr or ""
-        code, stderr = "timeout", partial.decode(errors="replace") if isinstance(partial, bytes) else partial
-    if out_dir.exists():
-        (out_dir / "launch.log").write_text(stderr)  # the run's own log, for when a number looks wrong
-    result = {"variant": asdict(v), "name": v.name, "precision": v.precision,
-              "wall_seconds": time.time() - launched, "ok": code == 0}
-    metrics = out_dir / "metrics.jsonl"
-    events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    result.update(summarize(events, launched, v))
-    if code != 0:
-        errors = [e["message"] for e in events if e["event"] == "error"]
-        tail = [line for line in stderr.splitlines() if "error" in line.lower()][-3:]
-        result["error"] = errors[-1] if errors else (" | ".join(tail) or f"exit {code}")
-        result["oom"] = "out of memory" in (result["error"] + stderr).lower()
-    log.info("%s: %s", v.name, {k: result[k] for k in result if k not in ("variant", "losses")})
-    return result
 
 
 def search_max_batch(fits, start: int, estimate: int | None = None, step: int = 8, limit: int = 1 << 16) -> int:
@@ -215,16 +101,23 @@ def write_data(data_dir: Path, smoke: bool) -> dict:
     stats = {}
     for split, n in (("train", n_rows), ("validation", n_eval)):
         realistic = [rows[i % len(rows)] for i in range(n)]
-        fixed = [{"texts": " ".join(rng.choices(words, k=source_words)),
-                  "labels": " ".join(rng.choices(words, k=reply_words))} for _ in range(n)]
+        fixed = [
+            {
+                "texts": " ".join(rng.choices(words, k=source_words)),
+                "labels": " ".join(rng.choices(words, k=reply_words)),
+            }
+            for _ in range(n)
+        ]
         sample = random.Random(1).sample(range(n), min(n, 500))
         for name, data in (("realistic", realistic), ("fixed", fixed)):
             with open(data_dir / f"{name}_{split}.jsonl", "w") as fh:
                 fh.writelines(json.dumps(r) + "\n" for r in data)
             src = tokenizer([PREFIX + data[i]["texts"] for i in sample]).input_ids
             tgt = tokenizer(text_target=[data[i]["labels"] for i in sample]).input_ids
-            stats[f"{name}_{split}"] = {"mean_source_tokens": statistics.mean(min(len(x), 128) for x in src),
-                                        "mean_reply_tokens": statistics.mean(min(len(x), 64) for x in tgt)}
+            stats[f"{name}_{split}"] = {
+                "mean_source_tokens": statistics.mean(min(len(x), 128) for x in src),
+                "mean_reply_tokens": statistics.mean(min(len(x), 64) for x in tgt),
+            }
     return stats
 
 
@@ -262,14 +155,17 @@ def plan(parts: list[str], gpus: int, batch: int, tuned_batch: int, smoke: bool)
     steps = 4 if smoke else 10
     out = []
     if "train" in parts:
-        for strategy in (("zero2",) if smoke else ("zero2", "ddp")):
+        for strategy in ("zero2",) if smoke else ("zero2", "ddp"):
             for recipe in ("seed", "tuned"):
                 b = tuned_batch if (recipe, strategy) == ("tuned", "zero2") else batch
-                out.append(Variant(recipe, strategy, "fixed", b, n, evaluate=strategy == "zero2", steps=steps,
-                                   cpu=smoke))
+                out.append(
+                    Variant(recipe, strategy, "fixed", b, n, evaluate=strategy == "zero2", steps=steps, cpu=smoke)
+                )
     if "realistic" in parts:
-        out += [Variant(r, "zero2", "realistic", tuned_batch if r == "tuned" else batch, n, steps=steps, cpu=smoke)
-                for r in ("seed", "tuned")]
+        out += [
+            Variant(r, "zero2", "realistic", tuned_batch if r == "tuned" else batch, n, steps=steps, cpu=smoke)
+            for r in ("seed", "tuned")
+        ]
     if "scaling" in parts and n > 1:
         out.append(Variant("tuned", "zero2", "fixed", tuned_batch, 1, steps=steps))
     return out
@@ -287,15 +183,22 @@ def estimate_max_batch(result: dict, capacity_gib: float) -> int | None:
 MAX_BATCH_SETUPS = ("seed-zero2", "seed-ddp", "tuned-zero2")
 
 
-def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, timeout: float,
-                setups: tuple[str, ...] = MAX_BATCH_SETUPS, on_found=None) -> list[dict]:
+def max_batches(
+    results: list[dict],
+    data_dir: Path,
+    work: Path,
+    gpus: int,
+    timeout: float,
+    setups: tuple[str, ...] = MAX_BATCH_SETUPS,
+    on_found=None,
+) -> list[dict]:
     """Largest micro-batch per GPU for seed ZeRO-2/DDP (fp16) and tuned ZeRO-2 (bf16), starting
     from the timed fixed-length run of the same setup (its batch fits; its memory gives a guess).
     ``on_found(found)`` is called after each search, so a caller can save partial results."""
     found = []
     for recipe, strategy in (s.split("-") for s in setups):
-        measured = next((r for r in results if r["ok"] and (r["variant"]["recipe"], r["variant"]["strategy"],
-                         r["variant"]["data"], r["variant"]["processes"]) == (recipe, strategy, "fixed", gpus)), None)
+        timed = (r for r in results if r["ok"] and setup_of(r) == (recipe, strategy, "fixed", gpus))
+        measured = next(timed, None)
         base = Variant(recipe, strategy, "fixed", measured["variant"]["batch"] if measured else 8, gpus, steps=3)
         probes = []
 
@@ -306,67 +209,20 @@ def max_batches(results: list[dict], data_dir: Path, work: Path, gpus: int, time
 
         estimate = measured.get("max_batch_estimate") if measured else None
         best = search_max_batch(fits, start=base.batch, estimate=estimate, step=32)
-        found.append({"recipe": recipe, "strategy": strategy, "precision": base.precision, "max_batch": best,
-                      "estimate": estimate, "probes": probes})
+        found.append(
+            {
+                "recipe": recipe,
+                "strategy": strategy,
+                "precision": base.precision,
+                "max_batch": best,
+                "estimate": estimate,
+                "probes": probes,
+            }
+        )
         if on_found:
             on_found(found)
         log.info("max batch %s %s: %d", recipe, strategy, best)
     return found
-
-
-def markdown(report: dict) -> str:
-    env = report["environment"]
-    title = (f"Run {env['date']} on {env['gpus']}x {env['gpu']} · torch {env['torch']} · transformers "
-             f"{env['transformers']} · accelerate {env['accelerate']} · deepspeed {env['deepspeed']}")
-    lines = [title, f"Command: `{report['command']}`", ""]
-    if report.get("matmul_tflops"):
-        lines += [f"Measured bf16 GEMM rate: {report['matmul_tflops']:.0f} TFLOP/s per GPU.", ""]
-
-    def cell(r, key, fmt):
-        return fmt.format(r[key]) if r.get(key) is not None else "–"
-
-    rows = []
-    for r in report["runs"]:
-        if not r["ok"]:
-            rows.append([r["name"], f"failed: {r.get('error', '')[:80]}", "", "", "", "", ""])
-            continue
-        rows.append([r["name"], cell(r, "samples_per_second", "{:,.0f}"), cell(r, "epoch_10k_seconds", "{:.2f}"),
-                     cell(r, "tflops_per_gpu", "{:.0f}"), cell(r, "peak_gib", "{:.1f}"),
-                     cell(r, "first_step_seconds", "{:.1f}"), cell(r, "eval_seconds", "{:.1f}")])
-    lines += md_table(["run", "samples/s", "s per 10k epoch", "TFLOP/s per GPU", "peak GiB", "first step s",
-                       "eval 1k s"], rows, align="lrrrrrr")
-    if report.get("speedups"):
-        lines += ["", *md_table(["tuned vs seed", "ratio"], [[k, f"{v:.2f}x"] for k, v in report["speedups"].items()],
-                                align="lr")]
-    if report.get("max_batch"):
-        rows = []
-        for m in report["max_batch"]:
-            batches = [p["name"].split("-b")[1].split("-")[0] + ("✓" if p["ok"] else "✗") for p in m["probes"]]
-            rows.append([f"{m['recipe']} {m['strategy']} {m['precision']}", m["max_batch"], ", ".join(batches)])
-        lines += ["", *md_table(["max micro-batch per GPU", "batch", "probes"], rows, align="lrl")]
-    return "\n".join(lines) + "\n"
-
-
-def speedups(runs: list[dict]) -> dict:
-    by = {(r["variant"]["recipe"], r["variant"]["strategy"], r["variant"]["data"], r["variant"]["processes"]): r
-          for r in runs if r["ok"]}
-    out = {}
-    for strategy in ("zero2", "ddp"):
-        for data in ("fixed", "realistic"):
-            n = max((k[3] for k in by), default=1)
-            seed, tuned = by.get(("seed", strategy, data, n)), by.get(("tuned", strategy, data, n))
-            if seed and tuned and seed.get("samples_per_second") and tuned.get("samples_per_second"):
-                rate = tuned["samples_per_second"] / seed["samples_per_second"]
-                out[f"training samples/s, {strategy}, {data}"] = rate
-            if seed and tuned and seed.get("eval_seconds") and tuned.get("eval_seconds"):
-                out[f"evaluation, {strategy}, {data} (seed s / tuned s)"] = seed["eval_seconds"] / tuned["eval_seconds"]
-    one = by.get(("tuned", "zero2", "fixed", 1))
-    many = [r for k, r in by.items() if k[:3] == ("tuned", "zero2", "fixed") and k[3] > 1]
-    if one and many and one.get("samples_per_second"):
-        m = many[0]
-        out[f"scaling efficiency 1 -> {m['variant']['processes']} GPUs"] = (
-            m["samples_per_second"] / (one["samples_per_second"] * m["variant"]["processes"]))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,13 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuned_batch", type=int, default=1600, help="Micro-batch per GPU of the tuned ZeRO-2 runs.")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke mode: tiny model, a few steps, one process.")
     parser.add_argument("--timeout", type=float, default=600, help="Seconds before one run is abandoned.")
-    parser.add_argument("--max_batch_setups", default=",".join(MAX_BATCH_SETUPS),
-                        help=f"Setups the maxbatch part searches, a subset of {', '.join(MAX_BATCH_SETUPS)}.")
-    parser.add_argument("--reuse", type=Path, help="results.json of an earlier run on the same machine: its timed "
-                        "runs give the maxbatch part its starting batch and estimate when `train` is not rerun.")
+    parser.add_argument(
+        "--max_batch_setups",
+        default=",".join(MAX_BATCH_SETUPS),
+        help=f"Setups the maxbatch part searches, a subset of {', '.join(MAX_BATCH_SETUPS)}.",
+    )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        help="results.json of an earlier run on the same machine: its timed "
+        "runs give the maxbatch part its starting batch and estimate when `train` is not rerun.",
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
@@ -392,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batch and --tuned_batch must be >= 1")
     setups = tuple(x.strip() for x in args.max_batch_setups.split(",") if x.strip())
     if not setups or set(setups) - set(MAX_BATCH_SETUPS):
-        parser.error(f"--max_batch_setups takes a subset of {', '.join(MAX_BATCH_SETUPS)}; "
-                     f"got {args.max_batch_setups!r}")
+        parser.error(
+            f"--max_batch_setups takes a subset of {', '.join(MAX_BATCH_SETUPS)}; got {args.max_batch_setups!r}"
+        )
     reused = []
     if args.reuse:
         try:
@@ -407,8 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     work, data_dir = out / "runs", out / "data"
     os.environ.setdefault("HF_DATASETS_CACHE", str((out / "hf_datasets").resolve()))  # shared by every run
-    report = {"environment": env, "command": command_line("bench.train", argv),
-              "data": write_data(data_dir, args.smoke), "runs": []}
+    report = {
+        "environment": env,
+        "command": command_line("bench.train", argv),
+        "data": write_data(data_dir, args.smoke),
+        "runs": [],
+    }
     for v in plan(parts, env["gpus"], batch, 4 if args.smoke else args.tuned_batch, args.smoke):
         report["runs"].append(run(v, data_dir, work, args.smoke, args.timeout))
         write_json(out / "results.json", report)  # partial results survive a kill

@@ -2,6 +2,6 @@
 
 import sys
 
-from finetune.train import main
+from finetune.cli import main
 
 sys.exit(main())

@@ -215,17 +215,19 @@ def saving(target: Path, output_dir: str | Path, *, tmp: Path | None = None, ste
         failure = None
         if is_disk_full(err, target.parent):
             free, mount = free_space(target.parent)
-            failure = TrainingError(f"disk full while saving {target}: {human_bytes(free)} free on {mount}",
-                                    file=str(target), step=step)
+            failure = TrainingError(
+                f"disk full while saving {target}: {human_bytes(free)} free on {mount}", file=str(target), step=step
+            )
         recorded = record_save_failure(output_dir, target, failure, tmp)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if failure is None and recorded:  # this rank's part broke because another's failed
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            failure = TrainingError(f"saving {target} failed on another process ({reason})", file=str(target),
-                                    step=step)
+            failure = TrainingError(
+                f"saving {target} failed on another process ({reason})", file=str(target), step=step
+            )
         if failure is None:
-            raise  # not a full disk: main() reports it as any other failure
+            raise  # not a full disk: cli.main() reports it as any other failure
         failure.recorded = recorded
         raise failure from err
 
@@ -389,25 +391,39 @@ def choose_checkpoint(output_dir: str | Path, spec: str, processes: int, metrics
         if verdict.intact:
             break
         if spec != "latest":
-            raise TrainingError(f"checkpoint {path} is corrupt: {verdict.describe()}. Resume from another "
-                                "checkpoint, or delete this one and resume from the newest intact one with "
-                                "--resume_from_checkpoint latest", file=verdict.first_file)
+            raise TrainingError(
+                f"checkpoint {path} is corrupt: {verdict.describe()}. Resume from another "
+                "checkpoint, or delete this one and resume from the newest intact one with "
+                "--resume_from_checkpoint latest",
+                file=verdict.first_file,
+            )
         skipped.append(verdict)
     else:
         root = Path(output_dir) / CHECKPOINTS
-        raise TrainingError(f"no intact checkpoint to resume from in {root}: "
-                            + "; ".join(v.describe() for v in skipped), file=str(root))
+        raise TrainingError(
+            f"no intact checkpoint to resume from in {root}: " + "; ".join(v.describe() for v in skipped),
+            file=str(root),
+        )
     for bad in skipped:
         log.warning(f"skipping corrupt checkpoint {bad.path}: {bad.describe()}; resuming from {path} instead")
-        metrics.write("checkpoint_skipped", path=str(bad.path), file=bad.first_file,
-                      problems=[f"{rel}: {what}" for rel, what in bad.problems], resuming_from=str(path))
+        metrics.write(
+            "checkpoint_skipped",
+            path=str(bad.path),
+            file=bad.first_file,
+            problems=[f"{rel}: {what}" for rel, what in bad.problems],
+            resuming_from=str(path),
+        )
     if not verdict.verified:
-        log.warning(f"{path} has no {MANIFEST_FILE} (saved before checkpoints had one): its files cannot be "
-                    "verified before loading")
+        log.warning(
+            f"{path} has no {MANIFEST_FILE} (saved before checkpoints had one): its files cannot be "
+            "verified before loading"
+        )
         metrics.write("checkpoint_unverified", path=str(path))
     if verdict.saved_processes not in (None, processes):
-        reason = (f"saved by {verdict.saved_processes} processes, resumed on {processes}: the data order and "
-                  "RNG streams differ from the uninterrupted run")
+        reason = (
+            f"saved by {verdict.saved_processes} processes, resumed on {processes}: the data order and "
+            "RNG streams differ from the uninterrupted run"
+        )
         log.warning(f"the resume from {path} will not be bit-identical: {reason}")
         metrics.write("resume_not_identical", path=str(path), reason=reason)
     return path

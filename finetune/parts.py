@@ -47,6 +47,11 @@ LAUNCHERS = ("accelerate", "torchrun", "deepspeed")  # program names
 LAUNCHER_MODULES = ("accelerate.commands", "torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher")
 
 
+def is_rank0() -> bool:
+    """RANK, not the accelerator: a run can fail, or check its checkpoint, before the accelerator exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def is_launcher(cmdline: list[str]) -> bool:
     """``accelerate launch``, ``torchrun``, ``deepspeed`` or ``python -m`` one of them."""
     if any(os.path.basename(arg) in LAUNCHERS for arg in cmdline[:2]):
@@ -83,8 +88,9 @@ def watch_launcher(poll_seconds: float = 1.0) -> None:
     if orphan or os.getppid() != parent:
         launcher_gone(parent)
     elif watched or not armed:  # (without PDEATHSIG the thread also watches the parent)
-        threading.Thread(target=poll_launchers, args=(parent, watched, poll_seconds), daemon=True,
-                         name="launcher-watchdog").start()
+        threading.Thread(
+            target=poll_launchers, args=(parent, watched, poll_seconds), daemon=True, name="launcher-watchdog"
+        ).start()
 
 
 def poll_launchers(parent: int, watched: list, poll_seconds: float) -> None:
@@ -138,7 +144,8 @@ def check_output_dir(cfg: TrainConfig) -> None:
     if cfg.resume_from_checkpoint is None and ckpt.run_started(out):
         raise OutputDirInUse(
             f"{out} already holds a run; pass --resume_from_checkpoint latest to continue it, "
-            "or choose another --output_dir", file=str(out)
+            "or choose another --output_dir",
+            file=str(out),
         )
 
 
@@ -157,10 +164,19 @@ def make_loaders(accelerator, data, tokenizer, cfg: TrainConfig) -> tuple[DataLo
         order = {"sampler": LengthGroupedSampler(row_lengths(data["train"]), group, cfg.seed)}
     else:
         order = {"shuffle": True}
-    train_dl = DataLoader(data["train"], batch_size=cfg.per_device_train_batch_size, **order, **loader_kwargs,
-                          generator=torch.Generator().manual_seed(cfg.seed))
-    eval_dl = DataLoader(data["validation"], batch_size=cfg.per_device_eval_batch_size, **loader_kwargs,
-                         generator=torch.Generator().manual_seed(cfg.seed))
+    train_dl = DataLoader(
+        data["train"],
+        batch_size=cfg.per_device_train_batch_size,
+        **order,
+        **loader_kwargs,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    eval_dl = DataLoader(
+        data["validation"],
+        batch_size=cfg.per_device_eval_batch_size,
+        **loader_kwargs,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
     return train_dl, eval_dl
 
 
@@ -178,8 +194,10 @@ def make_optimizer(accelerator, model, cfg, total_steps: int):
     ds_cfg = ds.deepspeed_config if ds else {}
     no_decay = ("bias", "layer_norm.weight", "layernorm_embedding.weight")
     groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-         "weight_decay": cfg.weight_decay},
+        {
+            "params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
+            "weight_decay": cfg.weight_decay,
+        },
         {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
     if "optimizer" in ds_cfg:
@@ -189,11 +207,13 @@ def make_optimizer(accelerator, model, cfg, total_steps: int):
     # accelerate expects schedules counted in per-process steps (it divides DeepSpeed's total
     # by the process count and steps a torch scheduler once per process), hence the scaling.
     if "scheduler" in ds_cfg:
-        scheduler = DummyScheduler(optimizer, total_num_steps=total_steps * accelerator.num_processes,
-                                   warmup_num_steps=cfg.num_warmup_steps)
+        scheduler = DummyScheduler(
+            optimizer, total_num_steps=total_steps * accelerator.num_processes, warmup_num_steps=cfg.num_warmup_steps
+        )
     else:
         scheduler = get_scheduler(
-            cfg.lr_scheduler_type, optimizer,
+            cfg.lr_scheduler_type,
+            optimizer,
             num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
             num_training_steps=total_steps * accelerator.num_processes,
         )
@@ -210,8 +230,9 @@ def start_profiler(folder: str):
         (out / ".write-test").touch()
         (out / ".write-test").unlink()
     except OSError as err:
-        raise TrainingError(f"--profile_dir {folder}: cannot write there ({err.strerror or err})",
-                            file=folder) from None
+        raise TrainingError(
+            f"--profile_dir {folder}: cannot write there ({err.strerror or err})", file=folder
+        ) from None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -224,8 +245,11 @@ def start_profiler(folder: str):
             (out / f"train_steps_by_{key}.txt").write_text(averages.table(sort_by=key, row_limit=40))
         log.info(f"profile of steps 3-5 written to {out}")
 
-    profiler = torch.profiler.profile(activities=activities, on_trace_ready=write,
-                                      schedule=torch.profiler.schedule(wait=2, warmup=0, active=3, repeat=1))
+    profiler = torch.profiler.profile(
+        activities=activities,
+        on_trace_ready=write,
+        schedule=torch.profiler.schedule(wait=2, warmup=0, active=3, repeat=1),
+    )
     profiler.start()
     return profiler
 

@@ -95,6 +95,10 @@ PERSONA_OPENERS = ("", "hi! ", "hello. ", "nice to meet you. ")
 PERSONA_FOLLOWERS = ("", "cool. ", "oh nice. ", "that is neat. ", "i am a student. ", "i have a dog too. ")
 PERSONA_TAILS = ("", "", " what about you?", " and you?")
 
+# The tables below keep one entry per line, however long: they read (and diff) as tables, where
+# the formatter would put every string on a line of its own.
+# fmt: off
+# ruff: disable[E501]
 # emotion: label -> (group, the label's own reply phrase, situations the user tells)
 EMOTION_DATA = {
     "afraid": ("fear", "oh no, that sounds really scary.", ("i heard a strange noise outside last night.", "a big dog ran at me on my walk.", "{who} drove way too fast with me in the car.")),
@@ -203,6 +207,8 @@ CHAT_MIDDLE = (
     (("what kind of music do you like?",), ("i like a bit of everything, mostly pop.",)),
 )
 CHAT_BYE = (("i have to go now.", "ok, talk to you later.", "bye for now!"), ("ok, it was nice talking to you. bye!", "see you later, take care!"))
+# ruff: enable[E501]
+# fmt: on
 
 
 def _fill(template: str, slots: dict) -> str:
@@ -236,8 +242,12 @@ def _task(rng: random.Random, n: int, slots: dict) -> tuple[str, list]:
     domain = rng.choice(tuple(TASK_DOMAINS))
     requests, ask, answers, confirm, close, extra = TASK_DOMAINS[domain]
     request = rng.choice(TASK_REQUESTS).format(req=rng.choice(requests))
-    steps = [(request, ask), (rng.choice(answers), confirm), extra,
-             (rng.choice(TASK_THANKS), "you are welcome, " + close)]
+    steps = [
+        (request, ask),
+        (rng.choice(answers), confirm),
+        extra,
+        (rng.choice(TASK_THANKS), "you are welcome, " + close),
+    ]
     if n == 3 and rng.random() < 0.5:
         del steps[2]
     return domain, [(_fill(u, slots), _fill(b, slots)) for u, b in steps[:n]]
@@ -286,8 +296,7 @@ def dialogue_rows(kind: str, context: str, exchanges: list) -> list[dict]:
     return rows
 
 
-def generate_split(n_dialogues: int, rng: random.Random, allow_held_out: bool,
-                   seen: set) -> tuple[list[dict], Counter]:
+def generate_split(n_dialogues: int, rng: random.Random, allow_held_out: bool, seen: set) -> tuple[list[dict], Counter]:
     """Rows of ``n_dialogues`` dialogues, skipping rows already in ``seen`` (then adding them).
 
     Each dialogue takes the kind that has the fewest rows so far, so kinds get equal shares.
@@ -325,13 +334,13 @@ def main(argv: list[str] | None = None) -> None:
     seen: set = set()  # validation never repeats a train row
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for split, n, allow_held_out in (("train", args.n_train_dialogues, False),
-                                     ("validation", args.n_val_dialogues, True)):
+    splits = (("train", args.n_train_dialogues, False), ("validation", args.n_val_dialogues, True))
+    for split, n, allow_held_out in splits:
         rng = random.Random(f"{args.seed}:{split}")
         rows, per_kind = generate_split(n, rng, allow_held_out, seen)
         write_jsonl(out / f"{split}.jsonl", rows)
-        log.info("wrote %d rows to %s (%s)", len(rows), out / f"{split}.jsonl",
-                 ", ".join(f"{k}={per_kind[k]}" for k in KINDS))
+        counts = ", ".join(f"{k}={per_kind[k]}" for k in KINDS)
+        log.info("wrote %d rows to %s (%s)", len(rows), out / f"{split}.jsonl", counts)
 
 
 if __name__ == "__main__":

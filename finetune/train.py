@@ -12,18 +12,15 @@ on one process, ``python -m finetune ...``. ``train()`` is one straight path of 
   one checkpoint per step, also when a checkpoint step ends an epoch);
 - ``finish``: the final model, all_results.json, the ``done`` event, the Hub push if asked.
 
-Every failure that ends a run becomes one ``error`` event in metrics.jsonl, written by ``main``
-(``error_event`` lists its fields), or for a full disk during a save by the rank it happened on
-(``checkpoint.saving``). A rank started by a launcher stops when the launcher dies
-(``watch_launcher``).
+The pieces it puts together are in ``finetune/parts.py``. ``python -m finetune`` runs it through
+``finetune/cli.py``, which turns every failure that ends a run into one ``error`` event in
+metrics.jsonl (``cli.error_event`` lists its fields).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,32 +37,26 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from chat.layout import RESULTS_FILE
-from chat.model import ModelLoadError, configure_attention, load_model, load_tokenizer, resolve
+from chat.model import configure_attention, load_model, load_tokenizer, resolve
 from finetune import checkpoint as ckpt
-from finetune.config import TrainConfig, parse_args
-from finetune.data import DataError, load_raw, tokenize
+from finetune.config import TrainConfig
+from finetune.data import load_raw, tokenize
 from finetune.evaluate import evaluate
-from finetune.hub import HubError, push
+from finetune.hub import push
 from finetune.parts import (
-    OutputDirInUse,
     StopRequest,
     TrainingError,
     check_output_dir,
+    is_rank0,
     make_accelerator,
     make_loaders,
     make_optimizer,
     plan_steps,
     save_final,
     start_profiler,
-    watch_launcher,
 )
 
 log = get_logger(__name__)
-
-# Failures the recipe expects and explains. An `error` event's kind is one of these names, or
-# "internal" for anything else (a bug, or a failure nobody explained yet: see the traceback).
-KNOWN_ERRORS = (DataError, ModelLoadError, TrainingError, HubError, FileNotFoundError)
-
 
 # After this many consecutive non-finite losses the run stops. fp16 gets room for DeepSpeed's
 # dynamic loss scale to back off (it skips overflowing steps and halves the scale).
@@ -160,9 +151,12 @@ def setup(cfg: TrainConfig) -> Run:
     resume_from = None
     if cfg.resume_from_checkpoint:  # a missing or corrupt checkpoint fails now, not after minutes of loading
         # (before the accelerator: every rank checks the same files and reaches the same choice)
-        resume_from = ckpt.choose_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint,
-                                             processes=int(os.environ.get("WORLD_SIZE", "1")),
-                                             metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=is_rank0()))
+        resume_from = ckpt.choose_checkpoint(
+            cfg.output_dir,
+            cfg.resume_from_checkpoint,
+            processes=int(os.environ.get("WORLD_SIZE", "1")),
+            metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=is_rank0()),
+        )
     # Data and model first: a bad file or model id fails here, before the run writes anything
     # but its error event.
     tokenizer = load_tokenizer(cfg.model_name_or_path)
@@ -184,11 +178,23 @@ def setup(cfg: TrainConfig) -> Run:
     optimizer, scheduler = make_optimizer(accelerator, model, cfg, total_steps)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
     ds = accelerator.state.deepspeed_plugin
-    run = Run(cfg, accelerator, tokenizer, model, optimizer, scheduler, train_dl, eval_dl,
-              train_samples=len(data["train"]), eval_samples=len(data["validation"]),
-              steps_per_epoch=steps_per_epoch, total_steps=total_steps, epochs=epochs,
-              zero_stage=ds.deepspeed_config["zero_optimization"]["stage"] if ds else None,
-              metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=accelerator.is_main_process))
+    run = Run(
+        cfg,
+        accelerator,
+        tokenizer,
+        model,
+        optimizer,
+        scheduler,
+        train_dl,
+        eval_dl,
+        train_samples=len(data["train"]),
+        eval_samples=len(data["validation"]),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        epochs=epochs,
+        zero_stage=ds.deepspeed_config["zero_optimization"]["stage"] if ds else None,
+        metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=accelerator.is_main_process),
+    )
     if resume_from:
         restore(run, resume_from)
     begin(run)
@@ -215,19 +221,31 @@ def begin(run: Run) -> None:
     if cfg.with_tracking:
         acc.init_trackers(cfg.report_name, config={k: v for k, v in cfg.to_dict().items() if v is not None})
     global_batch = cfg.per_device_train_batch_size * acc.num_processes * cfg.gradient_accumulation_steps
-    run.metrics.write("start", total_steps=run.total_steps, epochs=run.epochs, steps_per_epoch=run.steps_per_epoch,
-                      resumed_at=run.completed, num_processes=acc.num_processes,
-                      distributed=acc.distributed_type.value, zero_stage=run.zero_stage,
-                      mixed_precision=acc.mixed_precision, global_batch_size=global_batch,
-                      train_samples=run.train_samples, eval_samples=run.eval_samples,
-                      # weights + optimizer state before any activation: the fixed part of GPU memory
-                      gpu_mem_static_gib=torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None)
-    log.info(f"{run.train_samples} train / {run.eval_samples} eval rows, {acc.num_processes} processes, "
-             f"{acc.distributed_type} (ZeRO stage {run.zero_stage}), {run.total_steps} steps, "
-             f"global batch {global_batch}")
+    run.metrics.write(
+        "start",
+        total_steps=run.total_steps,
+        epochs=run.epochs,
+        steps_per_epoch=run.steps_per_epoch,
+        resumed_at=run.completed,
+        num_processes=acc.num_processes,
+        distributed=acc.distributed_type.value,
+        zero_stage=run.zero_stage,
+        mixed_precision=acc.mixed_precision,
+        global_batch_size=global_batch,
+        train_samples=run.train_samples,
+        eval_samples=run.eval_samples,
+        # weights + optimizer state before any activation: the fixed part of GPU memory
+        gpu_mem_static_gib=torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+    )
+    log.info(
+        f"{run.train_samples} train / {run.eval_samples} eval rows, {acc.num_processes} processes, "
+        f"{acc.distributed_type} (ZeRO stage {run.zero_stage}), {run.total_steps} steps, "
+        f"global batch {global_batch}"
+    )
     run.stop = StopRequest(cfg.output_dir)
-    run.progress = tqdm(total=run.total_steps, initial=run.completed, desc="training",
-                        disable=not acc.is_local_main_process)
+    run.progress = tqdm(
+        total=run.total_steps, initial=run.completed, desc="training", disable=not acc.is_local_main_process
+    )
     run.window = LossWindow.on(acc.device)
 
 
@@ -275,7 +293,8 @@ def forward_backward(run: Run, batch) -> torch.Tensor:
                 f"CUDA out of memory at --per_device_train_batch_size {cfg.per_device_train_batch_size} "
                 f"(source {cfg.max_source_length} / target {cfg.max_target_length} tokens). Try a smaller batch "
                 "with --gradient_accumulation_steps to keep the effective batch, fp16/bf16, or ZeRO-3 + offload "
-                "(configs/accelerate/zero3_offload.yaml).", step=run.completed,
+                "(configs/accelerate/zero3_offload.yaml).",
+                step=run.completed,
             ) from None
     window = run.window
     window.samples += batch["input_ids"].shape[0] * acc.num_processes
@@ -303,13 +322,15 @@ def check(run: Run, epoch: int) -> bool:
         raise TrainingError(
             f"the loss was not finite for {int(bad_steps)} step(s) up to step {step}: lower --learning_rate, "
             "add --num_warmup_steps, or use bf16 instead of fp16. Last good checkpoint: "
-            f"{(ckpt.list_checkpoints(cfg.output_dir) or ['none'])[-1]}", step=step,
+            f"{(ckpt.list_checkpoints(cfg.output_dir) or ['none'])[-1]}",
+            step=step,
         )
     if log_now:
         log_window(run, epoch)
     if stop_requested > 0:
-        stop_here(run, f"stop requested: saved a checkpoint at step {step}; "
-                       "resume with --resume_from_checkpoint latest")
+        stop_here(
+            run, f"stop requested: saved a checkpoint at step {step}; resume with --resume_from_checkpoint latest"
+        )
         return True
     if save_now:
         checkpoint(run)
@@ -321,16 +342,22 @@ def log_window(run: Run, epoch: int) -> None:
     acc, window, step = run.accelerator, run.window, run.completed
     loss_sum, count = acc.reduce(window.sums, "sum").tolist()
     elapsed = time.perf_counter() - window.start
-    entry = {"step": step, "epoch": round(epoch + (step - epoch * run.steps_per_epoch) / run.steps_per_epoch, 4),
-             "loss": loss_sum / max(count, 1), "lr": run.scheduler.get_last_lr()[0],
-             "samples_per_second": window.samples / elapsed}
+    entry = {
+        "step": step,
+        "epoch": round(epoch + (step - epoch * run.steps_per_epoch) / run.steps_per_epoch, 4),
+        "loss": loss_sum / max(count, 1),
+        "lr": run.scheduler.get_last_lr()[0],
+        "samples_per_second": window.samples / elapsed,
+    }
     if torch.cuda.is_available():
         entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     run.metrics.write("log", **entry)
     run.progress.set_postfix(loss=f"{entry['loss']:.4f}")
     if run.cfg.with_tracking:
-        acc.log({"train_loss": entry["loss"], "lr": entry["lr"],
-                 "samples_per_second": entry["samples_per_second"]}, step=step)
+        acc.log(
+            {"train_loss": entry["loss"], "lr": entry["lr"], "samples_per_second": entry["samples_per_second"]},
+            step=step,
+        )
     window.sums.zero_()
     window.start, window.samples = time.perf_counter(), 0
 
@@ -356,8 +383,7 @@ def stop_here(run: Run, message: str) -> None:
 def evaluate_epoch(run: Run, epoch: int) -> bool:
     """Evaluate, write the ``eval`` event, checkpoint unless this is the last epoch. True if the run stopped."""
     cfg, acc = run.cfg, run.accelerator
-    results = evaluate(acc, run.model, run.eval_dl, run.tokenizer, cfg, zero3=run.zero_stage == 3,
-                       should_stop=run.stop)
+    results = evaluate(acc, run.model, run.eval_dl, run.tokenizer, cfg, zero3=run.zero_stage == 3, should_stop=run.stop)
     if results is None:  # stop requested mid-evaluation: keep the trained steps, skip this eval
         stop_here(run, f"stop requested during evaluation: saved a checkpoint at step {run.completed}")
         return True
@@ -365,17 +391,33 @@ def evaluate_epoch(run: Run, epoch: int) -> bool:
     run.eval_times.append(results["eval_seconds"])
     train_seconds = run.epoch_times[-1]
     for sample in results["samples"][:5]:  # all of them go to metrics.jsonl
-        log.info(f"prompt: {sample['prompt']!r} | prediction: {sample['prediction']!r} | "
-                 f"reference: {sample['reference']!r}")
-    run.metrics.write("eval", step=run.completed, epoch=epoch, eval_bleu=results["eval_bleu"],
-                      eval_loss=results["eval_loss"], train_epoch_seconds=train_seconds,
-                      eval_epoch_seconds=results["eval_seconds"], samples=results["samples"][:20])
-    log.info(f"epoch {epoch}: BLEU {results['eval_bleu']:.2f}, eval loss {results['eval_loss']:.4f}, "
-             f"train {train_seconds:.1f}s, eval {results['eval_seconds']:.1f}s")
+        log.info(
+            f"prompt: {sample['prompt']!r} | prediction: {sample['prediction']!r} | reference: {sample['reference']!r}"
+        )
+    run.metrics.write(
+        "eval",
+        step=run.completed,
+        epoch=epoch,
+        eval_bleu=results["eval_bleu"],
+        eval_loss=results["eval_loss"],
+        train_epoch_seconds=train_seconds,
+        eval_epoch_seconds=results["eval_seconds"],
+        samples=results["samples"][:20],
+    )
+    log.info(
+        f"epoch {epoch}: BLEU {results['eval_bleu']:.2f}, eval loss {results['eval_loss']:.4f}, "
+        f"train {train_seconds:.1f}s, eval {results['eval_seconds']:.1f}s"
+    )
     if cfg.with_tracking:
-        acc.log({"eval_bleu": results["eval_bleu"], "eval_loss": results["eval_loss"],
-                 "train_epoch_seconds": train_seconds, "eval_epoch_seconds": results["eval_seconds"]},
-                step=run.completed)
+        acc.log(
+            {
+                "eval_bleu": results["eval_bleu"],
+                "eval_loss": results["eval_loss"],
+                "train_epoch_seconds": train_seconds,
+                "eval_epoch_seconds": results["eval_seconds"],
+            },
+            step=run.completed,
+        )
     if run.completed < run.total_steps:  # the last epoch's state is the final model (finish)
         checkpoint(run)
     return False
@@ -391,86 +433,31 @@ def finish(run: Run) -> dict:
     if run.stopped:
         acc.end_training()
         return {"stopped_at": run.completed}
-    summary = {"eval_bleu": results["eval_bleu"], "eval_loss": results["eval_loss"],
-               "eval_samples": results["eval_samples"], "train_samples": run.train_samples,
-               "total_steps": run.completed, "train_epoch_seconds": run.epoch_times,
-               "eval_epoch_seconds": run.eval_times, "num_processes": acc.num_processes, "zero_stage": run.zero_stage}
+    summary = {
+        "eval_bleu": results["eval_bleu"],
+        "eval_loss": results["eval_loss"],
+        "eval_samples": results["eval_samples"],
+        "train_samples": run.train_samples,
+        "total_steps": run.completed,
+        "train_epoch_seconds": run.epoch_times,
+        "eval_epoch_seconds": run.eval_times,
+        "num_processes": acc.num_processes,
+        "zero_stage": run.zero_stage,
+    }
     final = save_final(acc, run.model, run.tokenizer, cfg, summary) if cfg.save_model else None
     if run.main:
         (Path(cfg.output_dir) / RESULTS_FILE).write_text(json.dumps(summary, indent=2))
-        run.metrics.write("done", step=run.completed, final=str(final) if final else None,
-                          eval_bleu=summary["eval_bleu"])
-        log.info(f"final model in {final} (BLEU {summary['eval_bleu']:.2f})" if final
-                 else f"done, final model not saved (--save_model false); BLEU {summary['eval_bleu']:.2f}")
+        run.metrics.write(
+            "done", step=run.completed, final=str(final) if final else None, eval_bleu=summary["eval_bleu"]
+        )
+        log.info(
+            f"final model in {final} (BLEU {summary['eval_bleu']:.2f})"
+            if final
+            else f"done, final model not saved (--save_model false); BLEU {summary['eval_bleu']:.2f}"
+        )
     acc.end_training()
     if cfg.push_to_hub and run.main:
-        url = push(final, cfg.hub_model_id, private=cfg.hub_private)  # a HubError: main() records it
+        url = push(final, cfg.hub_model_id, private=cfg.hub_private)  # a HubError: cli.main() records it
         run.metrics.write("pushed", repo=cfg.hub_model_id, url=url)
         log.info(f"pushed to {url}")
     return summary
-
-
-# --------------------------------------------------------------------------- the CLI
-
-
-def error_event(err: Exception, cfg: TrainConfig) -> dict:
-    """The fields of the ``error`` event for a failure that ended the run::
-
-        {"event": "error", "time": ..., "kind": ..., "message": ..., "file": ...}
-
-    ``kind``: the name of the KNOWN_ERRORS class it is, or "internal" (then ``message`` is
-    "ExcType: text"). ``file``: the file or folder the error is about when the code that raised
-    it knew (the bad data file, the checkpoint of a bad resume, the output dir...), else None.
-    A failure inside the training loop (out of memory, non-finite loss) adds the ``step``."""
-    known = next((cls for cls in KNOWN_ERRORS if isinstance(err, cls)), None)
-    file = getattr(err, "file", None) or getattr(err, "filename", None)  # an OSError names its file
-    if file is None and known is ModelLoadError and Path(cfg.model_name_or_path).exists():
-        file = cfg.model_name_or_path  # a local model folder that would not load
-    if known:
-        kind, message = known.__name__, str(err)
-    else:
-        kind, message = "internal", f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-    fields = {"kind": kind, "message": message, "file": None if file is None else str(file)}
-    if getattr(err, "step", None) is not None:
-        fields["step"] = err.step
-    return fields
-
-
-def is_rank0() -> bool:
-    """RANK, not the accelerator: a run can fail, or check its checkpoint, before the accelerator exists."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def record_error(err: Exception, cfg: TrainConfig) -> None:
-    """Append the run's one ``error`` event to metrics.jsonl (the app shows the run's state from it).
-    Not for an error whose ``recorded`` is set: a failed save wrote its own (``checkpoint.saving``)."""
-    try:
-        ckpt.MetricsWriter(cfg.output_dir, enabled=True).write("error", **error_event(err, cfg))
-    except OSError as write_err:  # e.g. --output_dir is a file: the log still says what went wrong
-        logging.getLogger("finetune").warning(f"could not record the error in {cfg.output_dir}: {write_err}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m finetune``: train, or exit with 1 after one ``error`` event and one clear log
-    line (a traceback too for an internal error)."""
-    is_main = is_rank0()
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO if is_main else logging.ERROR, stream=sys.stderr)
-    watch_launcher()  # before anything slow: this process must not outlive its launcher
-    logger = logging.getLogger("finetune")
-    cfg = parse_args(argv)
-    try:
-        train(cfg)
-    except OutputDirInUse as err:  # its metrics.jsonl is the earlier run's: left as it is
-        if is_main:
-            logger.error("%s", err)
-        return 1
-    except Exception as err:
-        if is_main and not getattr(err, "recorded", False):  # a failed save records its own
-            record_error(err, cfg)
-        if not isinstance(err, KNOWN_ERRORS):  # every process logs it: the failure may be its own
-            logger.exception("internal error (a bug, or a failure nobody explained yet):")
-        elif is_main or getattr(err, "recorded", False):  # a failed save: maybe this rank's disk filled up
-            logger.error("%s", err)
-        return 1
-    return 0

@@ -31,3 +31,30 @@ def tiny_tokenizer(tiny_path):
     from chat.model import load_tokenizer
 
     return load_tokenizer(str(tiny_path))
+
+
+# Tests that launch real training processes, servers or a browser (seconds to a minute each).
+# `make fast` (pytest -m "not slow") skips them for development; CI runs everything.
+SLOW_MODULES = {
+    "test_train.py",
+    "test_checkpoints.py",
+    "test_faults.py",
+    "test_jobs_manager.py",
+    "test_jobs_ranks.py",
+    "test_app_train.py",
+    "test_browser.py",
+    "test_attacks.py",
+    "test_cpu_variants.py",
+    "test_upload_limits.py",
+}
+SLOW_TESTS = {
+    "test_python_app_py_without_the_hub_serves_the_demo_model_at_once",  # two app start-ups
+    "test_smoke_run_measures_both_recipes",  # a CPU benchmark run
+    "test_bench_smoke",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

@@ -17,7 +17,7 @@ A run lives in one directory, ``<runs root>/<run_id>/``::
     run.json        the spec, the command (argv), pid/pgid, start time, and every launch attempt
     train.log       stdout + stderr of the launcher and all its processes (appended on resume)
     data/           train/validation split of an uploaded train file given without a validation file
-    metrics.jsonl   written by the training CLI (see finetune/train.py), read here for status
+    metrics.jsonl   written by the training CLI (finetune/train.py, finetune/cli.py), read here for status
     checkpoints/    final/    all_results.json    STOP     (written by the CLI / by RunManager.stop())
 
 Everything the app shows is derived from that directory plus process liveness, so a page

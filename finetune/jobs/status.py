@@ -33,12 +33,12 @@ from finetune.jobs.paths import LOG_FILE, RUN_FILE, read_info
 
 LOG_TAIL_LINES = 40
 
-# Error kinds whose message the CLI writes for the user (finetune.train.KNOWN_ERRORS); any other
+# Error kinds whose message the CLI writes for the user (finetune.cli.KNOWN_ERRORS); any other
 # kind ("internal": a bug, its message "ExcType: text") is said to be one.
 USER_ERRORS = ("DataError", "ModelLoadError", "TrainingError", "HubError", "FileNotFoundError")
 
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torch elastic's tag on each line of a rank
-_ERROR_LINE = re.compile(r"^\d\d:\d\d:\d\d ERROR [\w.]+: (.+)$")  # finetune.train.main's log format
+_ERROR_LINE = re.compile(r"^\d\d:\d\d:\d\d ERROR [\w.]+: (.+)$")  # finetune.cli.main's log format
 _ARGPARSE_ERROR = re.compile(r"^python -m finetune: error: (.+)$")
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt): .+$")
 _LAUNCHER_NOISE = ("ChildFailedError", "CalledProcessError")

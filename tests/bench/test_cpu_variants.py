@@ -1,10 +1,11 @@
-"""bench/cpu_variants.py: its settings are the engine's, and the smallest study runs end to end
-on the bundled demo model."""
+"""bench/cpu_variants.py and its probes (bench/cpu_probes.py): the settings are the engine's, and the
+smallest study runs end to end on the bundled demo model."""
 
 import json
 
 import torch
 
+from bench import cpu_probes as probes
 from bench import cpu_variants as cv
 from chat.engine import BASE_PREFIX, GENERATION_PRESETS, load_checkpoint
 from chat.layout import DEMO_DIR
@@ -12,10 +13,10 @@ from chat.model import load_tokenizer
 
 
 def test_decoding_is_the_engines_presets():
-    assert cv.FAITHFUL is GENERATION_PRESETS["faithful"]
-    beam = cv.decoding(cv.FAITHFUL, 24)
+    assert probes.FAITHFUL is GENERATION_PRESETS["faithful"]
+    beam = probes.decoding(probes.FAITHFUL, 24)
     assert beam == {**GENERATION_PRESETS["faithful"].generate_kwargs(), "min_new_tokens": 24, "max_new_tokens": 24}
-    greedy = cv.decoding(cv.GREEDY, 24, forced=False)
+    greedy = probes.decoding(probes.GREEDY, 24, forced=False)
     fast = GENERATION_PRESETS["fast"].generate_kwargs()
     assert (greedy["num_beams"], greedy["do_sample"]) == (fast["num_beams"], fast["do_sample"]) == (1, False)
     # plain greedy: the model's cost without the engine's n-gram blocking and repetition penalty
@@ -24,7 +25,7 @@ def test_decoding_is_the_engines_presets():
 
 
 def test_models_load_as_the_engine_serves_them():
-    model, _ = cv.load(str(DEMO_DIR), "int8")
+    model, _ = probes.load(str(DEMO_DIR), "int8")
     engine = load_checkpoint(str(DEMO_DIR), optimize="int8").model
     assert model.generation_config.to_dict() == engine.generation_config.to_dict()
     assert type(model.model.encoder.layers[0].fc1) is type(engine.model.encoder.layers[0].fc1)  # quantized alike
@@ -33,7 +34,7 @@ def test_models_load_as_the_engine_serves_them():
 def test_prompts_have_the_prefix_and_the_exact_length():
     tokenizer = load_tokenizer(str(DEMO_DIR))
     prefix = tokenizer(BASE_PREFIX, add_special_tokens=False).input_ids
-    prompts = cv.build_prompts(tokenizer, 3, 64)
+    prompts = probes.build_prompts(tokenizer, 3, 64)
     assert len(prompts) == 3 and len({tuple(p[0].tolist()) for p in prompts}) == 3
     for ids in prompts:
         assert ids.shape == (1, 64) and ids[0, : len(prefix)].tolist() == prefix
@@ -43,24 +44,8 @@ def test_prompts_have_the_prefix_and_the_exact_length():
 def test_smallest_study_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "cv.json"
     threads = torch.get_num_threads()
-    assert (
-        cv.main(
-            [
-                "--model",
-                str(DEMO_DIR),
-                "--variants",
-                "none,int8@1",
-                "--prompts",
-                "2",
-                "--reply_tokens",
-                "4",
-                "--no_rss",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    study = ["--model", str(DEMO_DIR), "--variants", "none,int8@1", "--prompts", "2", "--reply_tokens", "4"]
+    assert cv.main([*study, "--no_rss", "--out", str(out)]) == 0
     assert torch.get_num_threads() == threads  # the study gives the thread count back
     data = json.loads(out.read_text())
     rows = {r["variant"]: r for r in data["results"]}

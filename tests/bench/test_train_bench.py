@@ -1,15 +1,18 @@
-"""bench/train.py: its argv is valid CLI input, the max-batch search, and the CPU smoke run
-(the real CLI on the tiny model, both recipes side by side)."""
+"""bench/train.py and its parts (train_runs.py, train_report.py): a run's argv is valid CLI input, the
+max-batch search, and the CPU smoke run (the real CLI on the tiny model, both recipes side by side)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
 from bench import train as train_bench
+from bench.train_report import speedups
+from bench.train_runs import Variant, command
 from chat.layout import ROOT
 from finetune.config import parse_args
 
@@ -29,8 +32,8 @@ def _split(argv):
     ],
 )
 def test_gpu_commands_are_the_cli_with_each_recipe(tmp_path, recipe, strategy, config):
-    v = train_bench.Variant(recipe, strategy, "fixed", 800, 2, evaluate=True)
-    launcher, args = _split(train_bench.command(v, tmp_path, tmp_path / "out", smoke=False))
+    v = Variant(recipe, strategy, "fixed", 800, 2, evaluate=True)
+    launcher, args = _split(command(v, tmp_path, tmp_path / "out", smoke=False))
     assert launcher[launcher.index("--config_file") + 1] == f"configs/accelerate/{config}"
     assert (ROOT / "configs" / "accelerate" / config).is_file()
     assert launcher[launcher.index("--mixed_precision") + 1] == ("fp16" if recipe == "seed" else "bf16")
@@ -59,14 +62,8 @@ def test_max_batch_search_finds_the_largest_fitting_multiple():
 
 def test_speedups_pair_recipes_of_the_same_setup():
     def result(recipe, data, rate, evaluate=None, n=2):
-        v = train_bench.Variant(recipe, "zero2", data, 800, n)
-        return {
-            "name": v.name,
-            "ok": True,
-            "variant": train_bench.asdict(v),
-            "samples_per_second": rate,
-            "eval_seconds": evaluate,
-        }
+        v = Variant(recipe, "zero2", data, 800, n)
+        return {"name": v.name, "ok": True, "variant": asdict(v), "samples_per_second": rate, "eval_seconds": evaluate}
 
     runs = [
         result("seed", "fixed", 100, 30.0),
@@ -75,7 +72,7 @@ def test_speedups_pair_recipes_of_the_same_setup():
         result("tuned", "realistic", 350),
         result("tuned", "fixed", 85, n=1),
     ]
-    got = train_bench.speedups(runs)
+    got = speedups(runs)
     assert got["training samples/s, zero2, fixed"] == pytest.approx(1.6)
     assert got["evaluation, zero2, fixed (seed s / tuned s)"] == pytest.approx(6.0)
     assert got["training samples/s, zero2, realistic"] == pytest.approx(3.5)
@@ -105,8 +102,8 @@ def test_smoke_run_measures_both_recipes(tmp_path, tiny_path):
 
 
 def test_max_batch_estimate_is_linear_in_the_batch():
-    v = train_bench.Variant("seed", "ddp", "fixed", 800, 2)
-    result = {"variant": train_bench.asdict(v), "peak_gib": 52.0, "static_gib": 2.0}
+    v = Variant("seed", "ddp", "fixed", 800, 2)
+    result = {"variant": asdict(v), "peak_gib": 52.0, "static_gib": 2.0}
     # 50 GiB of activations for 800 rows; (97 - 2) / (50 / 800) rows fit in 97% of 100 GiB
     assert train_bench.estimate_max_batch(result, 100.0) == 1520
     assert train_bench.estimate_max_batch(dict(result, peak_gib=None), 100.0) is None

@@ -41,7 +41,7 @@ def copy_checkpoints(run: Path, dest: Path, steps=(8, 12)) -> Path:
 def flip_bytes(path: Path) -> None:
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
     path.write_bytes(data)
 
 
@@ -52,10 +52,16 @@ CORRUPTIONS = {
     "flipped bytes in a shard": (SHARD1, flip_bytes, "sha256 mismatch"),
     "missing file": ("scheduler.bin", Path.unlink, "missing"),
     "trainer_state garbage": ("trainer_state.json", lambda f: f.write_text("garbage{"), "not valid JSON"),
-    "trainer_state without completed_steps": ("trainer_state.json", lambda f: f.write_text('{"epoch": 2}'),
-                                              "has no completed_steps"),
-    "missing RNG state": ("random_states_1.pkl", Path.unlink,
-                          "missing (the RNG state of process 1: a resume from it would not be bit-identical)"),
+    "trainer_state without completed_steps": (
+        "trainer_state.json",
+        lambda f: f.write_text('{"epoch": 2}'),
+        "has no completed_steps",
+    ),
+    "missing RNG state": (
+        "random_states_1.pkl",
+        Path.unlink,
+        "missing (the RNG state of process 1: a resume from it would not be bit-identical)",
+    ),
 }
 
 
@@ -104,8 +110,13 @@ def test_corrupt_checkpoint_is_skipped_by_latest_and_refused_by_path(name, saved
     with caplog.at_level(logging.WARNING, logger="finetune.checkpoint"):
         assert ckpt.choose_checkpoint(out, "latest", processes=2, metrics=metrics) == older
     [skipped] = events(out)
-    assert skipped == {**skipped, "event": "checkpoint_skipped", "path": str(newest), "file": str(newest / rel),
-                       "resuming_from": str(older)}
+    assert skipped == {
+        **skipped,
+        "event": "checkpoint_skipped",
+        "path": str(newest),
+        "file": str(newest / rel),
+        "resuming_from": str(older),
+    }
     assert skipped["problems"][0].startswith(f"{rel}: ") and problem in skipped["problems"][0], skipped["problems"]
     assert f"skipping corrupt checkpoint {newest}: {newest / rel}: " in caplog.text
     assert f"resuming from {older} instead" in caplog.text
@@ -118,7 +129,7 @@ def test_corrupt_checkpoint_is_skipped_by_latest_and_refused_by_path(name, saved
 
 
 def test_no_intact_checkpoint_is_one_clear_error_naming_the_files(saved_run, tmp_path):
-    from finetune.train import main
+    from finetune.cli import main
 
     out = copy_checkpoints(saved_run, tmp_path / "run")
     (out / "checkpoints" / "step_8" / "trainer_state.json").write_text("garbage{")
@@ -146,8 +157,10 @@ def test_checkpoint_without_manifest_loads_with_a_warning_but_its_rng_states_are
 
     flip_bytes(newest / "random_states_0.pkl")
     verdict = ckpt.check_checkpoint(newest, processes=2)
-    problem = ("unreadable (not an intact torch.save file) (the RNG state of process 0: a resume from it would not "
-               "be bit-identical)")
+    problem = (
+        "unreadable (not an intact torch.save file) (the RNG state of process 0: a resume from it would not "
+        "be bit-identical)"
+    )
     assert verdict.problems == [("random_states_0.pkl", problem)]
     (newest / "random_states_0.pkl").unlink()
     assert ckpt.choose_checkpoint(out, "latest", processes=2, metrics=metrics) == out / "checkpoints" / "step_8"
@@ -173,8 +186,10 @@ def test_resume_latest_falls_back_past_a_corrupt_checkpoint_and_reproduces_the_r
     flip_bytes(out / "checkpoints" / "step_12" / SHARD1)
     (out / "checkpoints" / "step_8" / ckpt.MANIFEST_FILE).unlink()
     before = len(events(out))
-    proc = launch(["--output_dir", str(out), *RUN, "--resume_from_checkpoint", "latest"],
-                  launcher=accelerate("--main_process_port", str(free_port())))
+    proc = launch(
+        ["--output_dir", str(out), *RUN, "--resume_from_checkpoint", "latest"],
+        launcher=accelerate("--main_process_port", str(free_port())),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     new = events(out)[before:]
     assert [e["event"] for e in new][:3] == ["checkpoint_skipped", "checkpoint_unverified", "start"]

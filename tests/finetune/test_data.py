@@ -12,9 +12,9 @@ from datasets import Dataset, DatasetDict
 
 from chat.layout import SAMPLE_DIR
 from chat.prompt import build_source, format_context, join_source
+from finetune.cli import main
 from finetune.config import parse_args
 from finetune.data import DataError, load_raw, tokenize
-from finetune.train import main
 
 SAMPLE = SAMPLE_DIR
 PREFIX = "chatbot: "

@@ -27,8 +27,12 @@ def small_disk(tmp_path):
         folder.mkdir()
         if shutil.which("mount") is None:
             pytest.skip("no mount command")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(folder)],
-                              check=False, capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(folder)],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounted.append(folder)
@@ -50,8 +54,10 @@ def test_disk_full_during_a_checkpoint(mib, small_disk):
     with a half-written .step_2.tmp folder left behind."""
     disk = small_disk(mib)
     out = disk / "run"
-    proc = launch(["--output_dir", str(out), "--max_train_steps", "6", "--checkpointing_steps", "2"],
-                  launcher=accelerate("--main_process_port", str(free_port())))
+    proc = launch(
+        ["--output_dir", str(out), "--max_train_steps", "6", "--checkpointing_steps", "2"],
+        launcher=accelerate("--main_process_port", str(free_port())),
+    )
     assert proc.returncode != 0
     step_2 = out / "checkpoints" / "step_2"
     [error] = errors(out)  # one event, whichever rank the disk filled up on
@@ -66,8 +72,10 @@ def test_disk_full_during_a_checkpoint(mib, small_disk):
 def test_disk_full_during_the_final_save(small_disk):
     disk = small_disk(4)  # metrics.jsonl fits, the ~8 MB final model does not
     out = disk / "run"
-    proc = launch(["--output_dir", str(out), "--max_train_steps", "2"],
-                  launcher=accelerate("--main_process_port", str(free_port())))
+    proc = launch(
+        ["--output_dir", str(out), "--max_train_steps", "2"],
+        launcher=accelerate("--main_process_port", str(free_port())),
+    )
     assert proc.returncode != 0
     assert [e["event"] for e in events(out)][-2:] == ["eval", "error"]  # no `done`
     [error] = errors(out)
@@ -79,8 +87,9 @@ def test_disk_full_during_the_final_save(small_disk):
 
 def test_disk_full_is_told_apart_from_other_write_errors(tmp_path):
     assert ckpt.is_disk_full(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
-    assert ckpt.is_disk_full(RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
-                             tmp_path)
+    assert ckpt.is_disk_full(
+        RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"), tmp_path
+    )
     assert not ckpt.is_disk_full(PermissionError(errno.EACCES, "Permission denied"), tmp_path)
     if ckpt.free_space(tmp_path)[0] > ckpt.LOW_SPACE:  # torch's C++ errors say nothing: only a full disk counts
         try:
@@ -113,8 +122,8 @@ def test_a_save_that_fails_on_two_ranks_records_one_event(tmp_path):
     assert info.value.recorded
     [error] = events(out)
 
+    from finetune.cli import error_event
     from finetune.config import parse_args
-    from finetune.train import error_event
 
     assert {k: v for k, v in error.items() if k not in ("event", "time")} == error_event(failures[0], parse_args(FAST))
     assert error["message"].startswith("disk full") and error["step"] == 3
@@ -144,10 +153,23 @@ def test_ranks_end_when_the_launcher_is_killed(agent, tiny_path, tmp_path):
         launcher, expected = accelerate("--main_process_port", str(free_port())), 3
     else:  # accelerate launch -> torchrun (the agent) -> 2 ranks: PDEATHSIG alone misses the top one dying
         config = tmp_path / "one_process.yaml"
-        config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\n"
-                          "num_machines: 1\nmixed_precision: 'no'\nuse_cpu: true\n")
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                    "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        config.write_text(
+            "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\n"
+            "num_machines: 1\nmixed_precision: 'no'\nuse_cpu: true\n"
+        )
+        launcher = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+        ]
         expected = 4
     cmd = [*launcher, "-m", "finetune", *FAST, "--output_dir", str(out), "--max_train_steps", "5000"]
     with open(tmp_path / "log.txt", "w") as log:

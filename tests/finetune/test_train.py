@@ -13,20 +13,29 @@ from safetensors.torch import load_file
 
 from chat.layout import ROOT
 
-FAST = ["--model_name_or_path", "tiny", "--dataset_name", "sample", "--n_val", "16", "--num_beams", "2",
-        "--val_min_target_length", "2", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8",
-        "--learning_rate", "1e-3", "--logging_steps", "2", "--seed", "7"]
+# The flags every run here shares: the tiny model on a slice of the sample data, quick to train and evaluate.
+FAST = (
+    "--model_name_or_path tiny --dataset_name sample --n_val 16 --num_beams 2 --val_min_target_length 2 "
+    "--per_device_train_batch_size 8 --per_device_eval_batch_size 8 --learning_rate 1e-3 --logging_steps 2 --seed 7"
+).split()
 
 
 def launch(args, *, launcher=(), env=None, timeout=300) -> subprocess.CompletedProcess:
     cmd = [*launcher, "-m", "finetune", *FAST, *args] if launcher else [sys.executable, "-m", "finetune", *FAST, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False, env={**os.environ, **(env or {})}
+    )
 
 
 def accelerate(*flags):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml",
-            *flags]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "configs/accelerate/cpu_zero2.yaml",
+        *flags,
+    ]
 
 
 def events(out: Path) -> list[dict]:
@@ -46,8 +55,10 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def zero2_run(tiny_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("zero2") / "run"
-    proc = launch(["--output_dir", str(out), "--max_train_steps", "12", "--checkpointing_steps", "4"],
-                  launcher=accelerate("--main_process_port", str(free_port())))
+    proc = launch(
+        ["--output_dir", str(out), "--max_train_steps", "12", "--checkpointing_steps", "4"],
+        launcher=accelerate("--main_process_port", str(free_port())),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, proc
 
@@ -89,9 +100,17 @@ def test_resume_matches_uninterrupted_run(zero2_run, tmp_path):
     """Resuming from the step-8 checkpoint reproduces the uninterrupted run's final weights."""
     out, _ = zero2_run
     resumed = tmp_path / "resumed"
-    proc = launch(["--output_dir", str(resumed), "--max_train_steps", "12",
-                   "--resume_from_checkpoint", str(out / "checkpoints" / "step_8")],
-                  launcher=accelerate("--main_process_port", str(free_port())))
+    proc = launch(
+        [
+            "--output_dir",
+            str(resumed),
+            "--max_train_steps",
+            "12",
+            "--resume_from_checkpoint",
+            str(out / "checkpoints" / "step_8"),
+        ],
+        launcher=accelerate("--main_process_port", str(free_port())),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert events(resumed)[0]["resumed_at"] == 8
     reference = load_file(out / "final" / "model.safetensors")
@@ -135,9 +154,20 @@ def test_two_loopback_machines_train_together(tiny_path, tmp_path):
     port = str(free_port())
     procs = []
     for rank in ("0", "1"):
-        launcher = accelerate("--num_machines", "2", "--num_processes", "2", "--machine_rank", rank,
-                              "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-                              "--deepspeed_multinode_launcher", "standard")
+        launcher = accelerate(
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            rank,
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+            "--deepspeed_multinode_launcher",
+            "standard",
+        )
         cmd = [*launcher, "-m", "finetune", *FAST, "--output_dir", str(out), "--max_train_steps", "4"]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=300)[0] for p in procs]
@@ -150,9 +180,21 @@ def test_two_loopback_machines_train_together(tiny_path, tmp_path):
 def test_push_failure_is_clear_and_token_never_leaks(tiny_path, tmp_path):
     token = "hf_NotARealTokenButSecret1234567890"
     out = tmp_path / "push"
-    proc = launch(["--output_dir", str(out), "--max_train_steps", "2", "--push_to_hub",
-                   "--hub_model_id", "someone/chat",
-                   "--with_tracking", "--report_to", "tensorboard"], env={"HF_TOKEN": token})
+    proc = launch(
+        [
+            "--output_dir",
+            str(out),
+            "--max_train_steps",
+            "2",
+            "--push_to_hub",
+            "--hub_model_id",
+            "someone/chat",
+            "--with_tracking",
+            "--report_to",
+            "tensorboard",
+        ],
+        env={"HF_TOKEN": token},
+    )
     assert proc.returncode == 1
     assert "could not push" in proc.stderr and "intact" in proc.stderr
     assert (out / "final" / "model.safetensors").is_file()  # the local checkpoint survives
@@ -185,13 +227,17 @@ def test_length_grouped_run_resumes_exactly(tiny_path, tmp_path):
     with the same weights as an uninterrupted one."""
     flags = ["--group_by_length", "--n_train", "64", "--per_device_train_batch_size", "4", "--max_train_steps", "12"]
     full = tmp_path / "full"
-    proc = launch([*flags, "--output_dir", str(full), "--checkpointing_steps", "3", "--checkpoints_total_limit", "10"],
-                  launcher=accelerate("--main_process_port", str(free_port())))
+    proc = launch(
+        [*flags, "--output_dir", str(full), "--checkpointing_steps", "3", "--checkpoints_total_limit", "10"],
+        launcher=accelerate("--main_process_port", str(free_port())),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = tmp_path / "resumed"
     step_3 = full / "checkpoints" / "step_3"
-    proc = launch([*flags, "--output_dir", str(resumed), "--resume_from_checkpoint", str(step_3)],
-                  launcher=accelerate("--main_process_port", str(free_port())))
+    proc = launch(
+        [*flags, "--output_dir", str(resumed), "--resume_from_checkpoint", str(step_3)],
+        launcher=accelerate("--main_process_port", str(free_port())),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     reference = load_file(full / "final" / "model.safetensors")
     got = load_file(resumed / "final" / "model.safetensors")
@@ -218,8 +264,20 @@ def test_failed_start_does_not_block_rerunning_the_same_command(tiny_path, tmp_p
     written by rank 0 alone even before the accelerator exists; once the file is there, the same
     command runs."""
     out, train = tmp_path / "run", tmp_path / "data" / "train.jsonl"
-    args = ["--output_dir", str(out), "--max_train_steps", "2", "--n_train", "64", "--save_model", "false",
-            "--train_file", str(train), "--validation_file", str(ROOT / "data/sample/validation.jsonl")]
+    args = [
+        "--output_dir",
+        str(out),
+        "--max_train_steps",
+        "2",
+        "--n_train",
+        "64",
+        "--save_model",
+        "false",
+        "--train_file",
+        str(train),
+        "--validation_file",
+        str(ROOT / "data/sample/validation.jsonl"),
+    ]
     launcher = accelerate("--main_process_port", str(free_port()))
     proc = launch(args, launcher=launcher)
     assert proc.returncode != 0
@@ -250,8 +308,18 @@ def mismatched_model(tiny_path, tmp_path) -> Path:
 
 def test_internal_error_is_one_event_and_a_traceback(mismatched_model, tmp_path):
     out = tmp_path / "run"
-    proc = launch(["--output_dir", str(out), "--max_train_steps", "2", "--n_train", "32",
-                   "--model_name_or_path", str(mismatched_model)])
+    proc = launch(
+        [
+            "--output_dir",
+            str(out),
+            "--max_train_steps",
+            "2",
+            "--n_train",
+            "32",
+            "--model_name_or_path",
+            str(mismatched_model),
+        ]
+    )
     assert proc.returncode == 1
     assert [e["event"] for e in events(out)] == ["start", "error"]
     [error] = errors(out)
@@ -263,14 +331,18 @@ def test_internal_error_is_one_event_and_a_traceback(mismatched_model, tmp_path)
 @pytest.mark.parametrize("spec", ["latest", "missing"])
 def test_bad_resume_names_the_checkpoint(spec, tmp_path):
     """A checkpoint that is not there fails at once (before data and model load), naming where it looked."""
-    from finetune.train import main
+    from finetune.cli import main
 
     out = tmp_path / "run"
     wanted = spec if spec == "latest" else str(tmp_path / "checkpoints" / "step_5")
     assert main([*FAST, "--output_dir", str(out), "--resume_from_checkpoint", wanted]) == 1
     [error] = events(out)
-    assert error == {**error, "event": "error", "kind": "FileNotFoundError",
-                     "file": str(out / "checkpoints") if spec == "latest" else wanted}
+    assert error == {
+        **error,
+        "event": "error",
+        "kind": "FileNotFoundError",
+        "file": str(out / "checkpoints") if spec == "latest" else wanted,
+    }
     assert set(error) == {"event", "time", "kind", "message", "file"}
 
 
@@ -301,19 +373,31 @@ def test_an_output_dir_holds_a_run_once_one_started(tmp_path):
 
 
 def test_error_event_fields():
+    from finetune.cli import error_event
     from finetune.config import parse_args
     from finetune.data import DataError
     from finetune.parts import TrainingError
-    from finetune.train import error_event
 
     cfg = parse_args(FAST)
     assert error_event(DataError("t.csv: row 2: bad", file="t.csv"), cfg) == {
-        "kind": "DataError", "message": "t.csv: row 2: bad", "file": "t.csv"}
+        "kind": "DataError",
+        "message": "t.csv: row 2: bad",
+        "file": "t.csv",
+    }
     assert error_event(TrainingError("no room", step=7), cfg) == {
-        "kind": "TrainingError", "message": "no room", "file": None, "step": 7}
+        "kind": "TrainingError",
+        "message": "no room",
+        "file": None,
+        "step": 7,
+    }
     assert error_event(KeyError("completed_steps"), cfg) == {
-        "kind": "internal", "message": "KeyError: 'completed_steps'", "file": None}
+        "kind": "internal",
+        "message": "KeyError: 'completed_steps'",
+        "file": None,
+    }
     assert error_event(PermissionError(13, "Permission denied", "/runs/x/final"), cfg) == {
-        "kind": "internal", "message": "PermissionError: [Errno 13] Permission denied: '/runs/x/final'",
-        "file": "/runs/x/final"}
+        "kind": "internal",
+        "message": "PermissionError: [Errno 13] Permission denied: '/runs/x/final'",
+        "file": "/runs/x/final",
+    }
     assert error_event(AssertionError(), cfg)["message"] == "AssertionError"
