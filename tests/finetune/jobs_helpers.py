@@ -113,3 +113,29 @@ def kill_all(run_dir: Path, timeout: float = 15) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
+
+
+# run.json's "spec" as written by finetune/runner.py's RunSpec, before finetune/jobs
+OLD_SPEC = {
+    "model": "tiny",
+    "dataset": "sample",
+    "validation_file": None,
+    "n_train": 200,
+    "n_val": 8,
+    "epochs": 2,
+    "learning_rate": 0.001,
+    "train_batch_size": 8,
+    "eval_batch_size": 8,
+    "max_source_length": 128,
+    "max_target_length": 8,
+    "source_prefix": "-x: ",
+    "strategy": "zero2",
+    "precision": "auto",
+    "num_gpus": 0,
+    "checkpointing_steps": 5,
+    "num_beams": 1,
+    "push_to_hub": False,
+    "hub_model_id": None,
+    "hub_private": False,
+    "logging_steps": 2,
+}

@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from jobs_helpers import launcher_args, settled, spec, wait_for
+from jobs_helpers import OLD_SPEC, launcher_args, settled, spec, wait_for
 
 from finetune import checkpoint as ckpt
 from finetune.config import parse_args
@@ -41,29 +41,7 @@ def old_run_folder(runs):
     run_dir = runs / OLD_RUN_ID
     (run_dir / "checkpoints" / "step_5").mkdir(parents=True)
     (run_dir / "checkpoints" / "step_5" / "trainer_state.json").write_text("{}")
-    spec = {
-        "model": "tiny",
-        "dataset": "sample",
-        "validation_file": None,
-        "n_train": 200,
-        "n_val": 8,
-        "epochs": 2,
-        "learning_rate": 0.001,
-        "train_batch_size": 8,
-        "eval_batch_size": 8,
-        "max_source_length": 128,
-        "max_target_length": 8,
-        "source_prefix": "chatbot: ",
-        "strategy": "zero2",
-        "precision": "auto",
-        "num_gpus": 0,
-        "checkpointing_steps": 5,
-        "num_beams": 1,
-        "push_to_hub": False,
-        "hub_model_id": None,
-        "hub_private": False,
-        "logging_steps": 2,
-    }
+    spec = {**OLD_SPEC, "source_prefix": "chatbot: "}
     argv = [
         sys.executable,
         "-m",

@@ -5,7 +5,7 @@ import dataclasses
 import re
 
 import pytest
-from jobs_helpers import spec
+from jobs_helpers import OLD_SPEC, spec
 
 from chat.layout import ROOT
 from finetune.config import TrainConfig, parse_args
@@ -131,31 +131,6 @@ def test_run_json_spec_round_trips(roots):
         assert set(data) == {"config", "strategy", "precision", "num_gpus", "split_train_file"}
         assert "output_dir" not in data["config"] and "resume_from_checkpoint" not in data["config"]
         assert JobSpec.from_dict(data) == made
-
-
-OLD_SPEC = {  # run.json's "spec" as written by finetune/runner.py's RunSpec
-    "model": "tiny",
-    "dataset": "sample",
-    "validation_file": None,
-    "n_train": 200,
-    "n_val": 8,
-    "epochs": 2,
-    "learning_rate": 0.001,
-    "train_batch_size": 8,
-    "eval_batch_size": 8,
-    "max_source_length": 128,
-    "max_target_length": 8,
-    "source_prefix": "-x: ",
-    "strategy": "zero2",
-    "precision": "auto",
-    "num_gpus": 0,
-    "checkpointing_steps": 5,
-    "num_beams": 1,
-    "push_to_hub": False,
-    "hub_model_id": None,
-    "hub_private": False,
-    "logging_steps": 2,
-}
 
 
 def test_old_run_spec_is_read(roots):

@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hostile_files import parquet_bomb
 
 from chat.layout import ROOT, SAMPLE_DIR
 from finetune import data
@@ -42,24 +42,6 @@ def write(path, rows):
         pd.DataFrame(rows).to_csv(path, index=False)
     else:
         pd.DataFrame(rows).to_parquet(path)
-    return path
-
-
-def dictionary_bomb(path, rows=450_000, width=1000):
-    """A parquet file of a few hundred bytes: every row repeats one dictionary value of ``width``
-    characters in both columns, so it decodes to rows x width x 2 bytes of text (0.9 GB)."""
-    value = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array(["x" * width]))
-    pq.write_table(
-        pa.table({"texts": value, "labels": value}),
-        path,
-        compression="zstd",
-        compression_level=22,
-        write_statistics=False,
-        store_schema=False,
-        data_page_size=1 << 30,
-        write_page_index=False,
-        max_rows_per_page=1 << 20,
-    )
     return path
 
 
@@ -105,7 +87,7 @@ def measure(paths, tmp_path) -> tuple[list[dict], list[str]]:
 
 
 def test_files_huge_once_read_are_refused_quickly_with_little_memory_and_no_cache(tmp_path):
-    bomb = dictionary_bomb(tmp_path / "bomb.parquet")
+    bomb = parquet_bomb(tmp_path / "bomb.parquet")
     assert bomb.stat().st_size < 1000  # 0.9 GB of text in under a kilobyte
     rows_jsonl, rows_csv = tmp_path / "rows.jsonl", tmp_path / "rows.csv"
     rows_jsonl.write_text('{"texts": "a", "labels": "b"}\n' * 1_000_001)  # 30 MB
@@ -132,7 +114,7 @@ def test_files_huge_once_read_are_refused_quickly_with_little_memory_and_no_cach
 
 
 def test_a_parquet_files_own_row_count_is_checked_before_reading(tmp_path):
-    many = dictionary_bomb(tmp_path / "many.parquet", rows=1_000_001, width=3)
+    many = parquet_bomb(tmp_path / "many.parquet", rows=1_000_001, width=3)
     with pytest.raises(
         DataError,
         match=r"^many\.parquet: row 1000001: the file has 1,000,001 rows; "

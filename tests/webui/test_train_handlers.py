@@ -12,12 +12,10 @@ import time
 from pathlib import Path
 
 import gradio as gr
-import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from gradio.data_classes import FileData
+from hostile_files import parquet_bomb
 
 from chat.engine import DEFAULT_MODEL
 from finetune import checkpoint as ckpt
@@ -285,23 +283,6 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
         train_handlers.accept_upload(tab, session, None, None, "test", str(big), "")
 
 
-def bomb(path: Path, rows: int = 450_000, width: int = 1000) -> Path:
-    """A parquet file under a kilobyte that holds rows x width x 2 bytes (0.9 GB) of text."""
-    value = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array(["x" * width]))
-    pq.write_table(
-        pa.table({"texts": value, "labels": value}),
-        path,
-        compression="zstd",
-        compression_level=22,
-        write_statistics=False,
-        store_schema=False,
-        data_page_size=1 << 30,
-        write_page_index=False,
-        max_rows_per_page=1 << 20,
-    )
-    return path
-
-
 def test_upload_refusals_name_the_users_file_not_the_servers_path(tab):
     session = logged_in(tab)
     (tab.incoming / "3f9a1c").mkdir()  # gradio keeps an upload as <upload folder>/<sha256>/<its name>
@@ -323,7 +304,7 @@ def test_upload_refusals_name_the_users_file_not_the_servers_path(tab):
 
 
 def test_a_parquet_bomb_upload_is_refused_and_nothing_is_copied(tab):
-    upload = bomb(tab.incoming / "tiny.parquet")
+    upload = parquet_bomb(tab.incoming / "tiny.parquet")
     assert upload.stat().st_size < 1000
     with pytest.raises(gr.Error) as refused:
         train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
