@@ -13,6 +13,7 @@ loads nothing: ``app.demo`` is built on first access.
 
 import logging
 import time
+import warnings
 
 import gradio as gr
 
@@ -47,11 +48,20 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
     train = train or train_handlers.TrainTab.create()
     # delete_cache: gradio removes the files this process received after 30 min (the cleaner thread,
     # started with the server, also caps the folder's size and removes the app's unused copies).
-    with gr.Blocks(
-        title="Chat-E · persona-chat",
-        analytics_enabled=False,
-        delete_cache=(web_uploads.MAX_AGE_S, web_uploads.MAX_AGE_S),
-    ) as demo:
+    # The look (theme, CSS, the page's script) belongs to the app, so it is given here and not to
+    # launch(): Spaces and ``gradio app.py`` launch without arguments. Gradio 6 still honours it
+    # in the constructor (launch() falls back to it) but warns; the warning is expected.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The parameters have been moved", UserWarning)
+        blocks = gr.Blocks(
+            title="Chat-E · persona-chat",
+            analytics_enabled=False,
+            delete_cache=(web_uploads.MAX_AGE_S, web_uploads.MAX_AGE_S),
+            theme=chat_tab.THEME,
+            css=chat_tab.CSS,
+            js=chat_tab.JS,
+        )
+    with blocks as demo:
         # The login token (webui/auth.py): kept by the browser, encrypted in its local storage, sent
         # with every action and checked against the server's live logins; None when logged out.
         session = gr.BrowserState(None, storage_key="persona-chat-login")

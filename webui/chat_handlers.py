@@ -28,7 +28,7 @@ from chat.engine import (
     InputError,
 )
 from chat.layout import DEFAULT_MODEL, DEMO_DIR, RESULTS_FILE, ROOT, is_hub_id, list_finals
-from chat.prompt import EMOTIONS, KINDS
+from chat.prompt import KINDS
 from finetune.jobs.paths import runs_root
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,9 @@ EXAMPLES = [
     ["Hello! What do you like to do for fun?", "none", ""],
 ]
 
+# What the chat shows for each example (in the empty chat, above the message box).
+_KIND_NAMES = {value: label for label, value in KIND_CHOICES} | {"none": "No context"}
+EXAMPLE_LABELS = [f"{_KIND_NAMES[kind]}: {message}" for message, kind, _ in EXAMPLES]
 SEED_MAX = 2**31 - 1
 NOTICE_KEY = "persona-chat-notice"
 
@@ -246,24 +249,34 @@ def meter_text(budget: Budget | None) -> str:
 # --------------------------------------------------------------------------- context control
 
 
-def context_for_kind(kind: str, context: str) -> str:
-    """The context box's value after the user picks ``kind``.
+def switch_context(contexts: dict | None, kind: str, context: str | None) -> tuple[str, dict]:
+    """The context box's value when the user picks ``kind``, and the page's saved contexts.
 
-    The user's own text is kept; a box that is empty or holds another kind's default (or an
-    emotion label) gets the new kind's default, and an emotion needs a label-like value.
+    ``contexts`` holds each kind's last text and under ``"kind"`` the kind the box showed: the
+    box's text is kept for that kind, and the new kind gets back its own text (its default the
+    first time), so a persona is never copied into the Topic box nor lost on the way back.
     """
-    context = (context or "").strip()
-    if kind == "none":
-        return context
-    if kind == "emotion":
-        return (
-            context
-            if context and len(context.split()) <= 3 and context not in KIND_DEFAULTS.values()
-            else KIND_DEFAULTS["emotion"]
-        )
-    if not context or context in KIND_DEFAULTS.values() or context in EMOTIONS:
-        return KIND_DEFAULTS[kind]
-    return context
+    saved = dict(contexts or {})
+    previous = saved.get("kind", "persona")
+    if previous in KIND_DEFAULTS and previous != "none":
+        saved[previous] = context or ""
+    if kind not in KIND_DEFAULTS:
+        kind = "none"
+    saved["kind"] = kind
+    value = saved.get(kind)
+    if kind == "none" or value is None or not value.strip():
+        value = KIND_DEFAULTS[kind]
+    return value, saved
+
+
+def pick_example(contexts: dict | None, index: int, context: str | None) -> tuple[str, str, dict]:
+    """(kind, context, saved contexts) when the user clicks example ``index``: its kind, with the
+    user's own text for that kind if they wrote one, else the example's context."""
+    _, kind, example_context = EXAMPLES[index]
+    value, saved = switch_context(contexts, kind, context)
+    if value == KIND_DEFAULTS[kind]:
+        value = example_context
+    return kind, value, saved
 
 
 def context_visibility(kind: str) -> tuple[dict, dict]:

@@ -16,6 +16,49 @@ from webui.train_handlers import TrainTab, explained
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: handlers that change things check the login
 
+PLACEHOLDER = "Pick who the bot is (Persona, Emotion…), then say hi."
+
+# WCAG AA (4.5:1) for small text: gradio's default orange primary button (white on orange-500)
+# and subdued help text (gray-400 on white) fall short; a darker orange and gray-600 pass.
+THEME = gr.themes.Default().set(
+    body_text_color_subdued="*neutral_600",
+    body_text_color_subdued_dark="*neutral_400",
+    button_primary_background_fill="*primary_700",
+    button_primary_background_fill_hover="*primary_800",
+    button_primary_background_fill_dark="*primary_700",
+    button_primary_background_fill_hover_dark="*primary_800",
+    button_primary_text_color="white",
+    button_primary_text_color_dark="white",
+)
+
+# On a phone the chat fits the first screen: a shorter chat log, and the saved chats under it.
+CSS = """
+@media (max-width: 640px) {
+  #chat-log { height: 52vh !important; max-height: 52vh !important; }
+  #chat-log .examples { padding: var(--spacing-lg); gap: var(--spacing-md); }
+  #chat-log .example { padding: var(--spacing-md) var(--spacing-lg); }
+  #chat-log .example-text-content { margin-top: 0; }
+  #chat-column .row:has(#chat-log) > .column:first-child { order: 2; }
+}
+"""
+
+# After each reply the message box takes the focus back: while the bot writes, gradio disables
+# the box (or shows its stop button) and the focus falls to the page. When the reply is over and
+# nothing else has the focus, the box gets it again.
+JS = """
+() => {
+  let busy = false;
+  new MutationObserver(() => {
+    const box = document.querySelector("#chat-input textarea");
+    if (!box) return;
+    const now = box.disabled || !!document.querySelector("#chat-input .stop-button");
+    const idle = !document.activeElement || document.activeElement === document.body;
+    if (busy && !now && idle) box.focus();
+    busy = now;
+  }).observe(document.body, { subtree: true, childList: true, attributes: true, attributeFilter: ["disabled"] });
+}
+"""
+
 
 @dataclass
 class ChatParts:
@@ -28,8 +71,11 @@ class ChatParts:
 def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status: gr.Markdown) -> ChatParts:
     """The tab's components and events (call inside ``gr.Tab``). ``status`` is the page's
     serving banner, which a model swap updates."""
-    with gr.Row():
-        with gr.Column(scale=1, min_width=300):
+    # The chat comes first (on a phone it is the first thing under the tabs); who the bot is and
+    # the generation settings follow it (on the right on a wide screen).
+    with gr.Row(elem_id="chat-row"):
+        chat_column = gr.Column(scale=3, min_width=320, elem_id="chat-column")
+        with gr.Column(scale=1, min_width=300, elem_id="bot-settings"):
             kind = gr.Radio(chat_handlers.KIND_CHOICES, value="persona", label="The bot has a…")
             label, info = chat_handlers.CONTEXT_LABELS["persona"]
             # The context string sent with every message. For emotions it is hidden and set from
@@ -37,6 +83,8 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
             context = gr.Textbox(
                 chat_handlers.CHAT_E_PERSONA, label=label, info=info, lines=2, max_lines=6, max_length=MAX_CONTEXT_CHARS
             )
+            # Each kind's own context on this page (webui.chat_handlers.switch_context).
+            contexts = gr.State({"kind": "persona"})
             emotion = gr.Dropdown(
                 list(EMOTIONS),
                 value=chat_handlers.KIND_DEFAULTS["emotion"],
@@ -62,15 +110,14 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                 top_p = gr.Slider(0.05, 1.0, value=top_p0, step=0.05, label="Top-p (with sampling)")
                 max_new_tokens = gr.Slider(1, 128, value=max_new0, step=1, label="Max new tokens")
                 seed = gr.Number(0, precision=0, minimum=0, maximum=chat_handlers.SEED_MAX, label="Seed (0 = random)")
-            meter = gr.Markdown(chat_handlers.meter_text(None))
-        with gr.Column(scale=3):
+            meter = gr.Markdown(chat_handlers.meter_text(None), elem_id="token-meter")
+        with chat_column:
             chat = gr.ChatInterface(
                 chat_handlers.chat_fn(engine),
-                chatbot=gr.Chatbot(
-                    label="Chat-E", height=460, placeholder="Pick who the bot is on the left, then say hi."
-                ),
+                chatbot=gr.Chatbot(label="Chat-E", height=460, placeholder=PLACEHOLDER, elem_id="chat-log"),
                 textbox=gr.Textbox(
                     placeholder="Type a message…",
+                    label="Message",  # the box's accessible name (its label is not shown)
                     show_label=False,
                     max_length=MAX_MESSAGE_CHARS,
                     submit_btn=True,
@@ -79,7 +126,11 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                 ),
                 additional_inputs=[kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed],
                 additional_outputs=[meter],
-                examples=chat_handlers.EXAMPLES,
+                # Messages only: shown as buttons in the empty chat, labelled with their kind; a
+                # click sends it (the kind and context are set by pick_example below).
+                examples=[[message] for message, _, _ in chat_handlers.EXAMPLES],
+                example_labels=chat_handlers.EXAMPLE_LABELS,
+                run_examples_on_click=True,
                 cache_examples=False,  # Spaces would otherwise run every example at start-up
                 editable=True,
                 save_history=True,  # in the browser's local storage: stays with its user
@@ -92,7 +143,7 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
     picker = _model_panel(engine, train, session, status)
 
     kind.change(chat_handlers.context_visibility, kind, [context, emotion], queue=False, **PRIVATE)
-    kind.input(chat_handlers.context_for_kind, [kind, context], context, queue=False, **PRIVATE)
+    kind.input(chat_handlers.switch_context, [contexts, kind, context], [context, contexts], queue=False, **PRIVATE)
     emotion.input(lambda value: value or "", emotion, context, queue=False, **PRIVATE)
     context.change(
         lambda k, c: gr.update(value=c) if k == "emotion" else gr.skip(),
@@ -101,6 +152,19 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
         queue=False,
         **PRIVATE,
     )
+
+    # An example sets its kind and context before its message goes out: this runs at once, while
+    # the chat's own example event first shows the message and then calls the model.
+    def pick_example(saved: dict, box: str, event: gr.SelectData):
+        return chat_handlers.pick_example(saved, event.index, box)
+
+    chat.chatbot.example_select(
+        pick_example, [contexts, context], [kind, context, contexts], queue=False, show_progress="hidden", **PRIVATE
+    )
+    # A new chat (or a saved one) has no last reply to measure. Saved chats keep only the
+    # messages: ChatInterface gives no event to store who the bot was with each of them.
+    for trigger in (chat.new_chat_button.click, chat.chat_history_dataset.click):
+        trigger(lambda: chat_handlers.meter_text(None), None, meter, queue=False, show_progress="hidden", **PRIVATE)
     preset.change(
         chat_handlers.preset_values, preset, [beams, sample, temperature, top_p, max_new_tokens], queue=False, **PRIVATE
     )

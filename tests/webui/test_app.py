@@ -237,18 +237,40 @@ def test_meter_text():
     assert "after the first reply" in chat_handlers.meter_text(None)
 
 
-def test_context_follows_the_kind():
-    assert chat_handlers.context_for_kind("emotion", chat_handlers.CHAT_E_PERSONA) == "joyful"
-    assert chat_handlers.context_for_kind("emotion", "happy") == "happy"  # Chat-E's value is kept as a custom one
-    assert chat_handlers.context_for_kind("task", "joyful") == "vacation ideas"
-    assert chat_handlers.context_for_kind("persona", "") == chat_handlers.CHAT_E_PERSONA
-    assert chat_handlers.context_for_kind("persona", "i am a chef.") == "i am a chef."  # the user's own text stays
-    assert chat_handlers.context_for_kind("none", "jazz") == "jazz"
+def test_context_visibility_follows_the_kind():
     textbox, dropdown = chat_handlers.context_visibility("emotion")
     assert (textbox["visible"], dropdown["visible"]) == (False, True)
     textbox, dropdown = chat_handlers.context_visibility("task")
     assert (textbox["visible"], textbox["label"], dropdown["visible"]) == (True, "Task goal", False)
     assert chat_handlers.context_visibility("none")[0]["visible"] is False
+
+
+def test_each_kind_keeps_its_own_context():
+    chef = "i am a chef."
+    topic, saved = chat_handlers.switch_context(None, "topic", chef)
+    assert topic == "jazz"  # the topic default, not the persona sentence
+    persona, saved = chat_handlers.switch_context(saved, "persona", "the blues")
+    assert persona == chef  # the user's persona is back
+    assert chat_handlers.switch_context(saved, "topic", persona)[0] == "the blues"  # and the topic they typed
+    assert chat_handlers.switch_context(saved, "none", persona)[0] == ""
+    emotion, saved = chat_handlers.switch_context(saved, "emotion", chef)
+    assert emotion == "joyful" and chat_handlers.switch_context(saved, "task", "")[0] == "vacation ideas"
+    # a cleared box gets the kind's default back next time
+    assert chat_handlers.switch_context({"kind": "task"}, "persona", "  ")[0] == chat_handlers.CHAT_E_PERSONA
+
+
+def test_examples_are_labelled_and_set_their_kind():
+    assert chat_handlers.EXAMPLE_LABELS[0] == "Persona: Hi! Who are you?"
+    assert [label.split(":")[0] for label in chat_handlers.EXAMPLE_LABELS] == [
+        "Persona",
+        "Emotion",
+        "Task goal",
+        "Topic",
+        "No context",
+    ]
+    kind, context, saved = chat_handlers.pick_example({"kind": "persona"}, 3, "i am a chef.")
+    assert (kind, context, saved["persona"]) == ("topic", "jazz", "i am a chef.")
+    assert chat_handlers.pick_example(saved, 0, "jazz")[:2] == ("persona", "i am a chef.")  # the user's own persona
 
 
 def make_final(root: Path, name: str, mtime: float, bleu: float | None = None, complete: bool = True) -> Path:
@@ -396,6 +418,9 @@ def test_blocks_wiring(engine):
     assert labels[:3] == ["The bot has a…", "Persona", "Preset"]
     assert chat.additional_inputs[0].choices == [tuple(c) for c in chat_handlers.KIND_CHOICES]
     assert chat.cache_examples is False and chat.api_visibility == "private"
+    assert chat.run_examples_on_click and not chat._additional_inputs_in_examples  # a click sends the example
+    assert [e["display_text"] for e in chat.examples_messages] == chat_handlers.EXAMPLE_LABELS
+    assert chat.textbox.label == "Message" and chat.textbox.elem_id == "chat-input"
     public = [d for d in demo.fns.values() if d.api_visibility == "public"]
     assert [d.api_name for d in public] == ["chat"]
     assert demo._queue.max_size == app.QUEUE_MAX_SIZE == 64
