@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 from chat.model import ModelLoadError
@@ -59,6 +60,23 @@ def record_error(err: Exception, cfg: TrainConfig) -> None:
         logging.getLogger("finetune").warning(f"could not record the error in {cfg.output_dir}: {write_err}")
 
 
+def quiet_output() -> None:
+    """One line per fact in the log: no deprecation warnings of torch.distributed that DeepSpeed
+    and accelerate trigger (nothing a user can act on), and, when stderr is not a terminal (the
+    app's train.log, CI), no progress bars: they redraw with "\\r" and escape codes. The recipe logs
+    a line per logging step instead."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    if sys.stderr.isatty():
+        return
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()  # (the recipe's own bars check isatty themselves)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m finetune``: train, or exit with 1 after one ``error`` event and one clear log
     line (a traceback too for an internal error)."""
@@ -70,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     watch_launcher()  # before anything slow: this process must not outlive its launcher
+    quiet_output()
     logger = logging.getLogger("finetune")
     cfg = parse_args(argv)
     try:

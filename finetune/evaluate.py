@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import sacrebleu
@@ -49,7 +50,9 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
     kwargs = generation_kwargs(cfg)
     pad = tokenizer.pad_token_id
     predictions, references, samples, losses = [], [], [], []
-    for step, batch in enumerate(tqdm(dataloader, desc="evaluating", disable=not accelerator.is_local_main_process)):
+    # A bar on a terminal only: in a log file (the app's train.log) its redraws would be noise.
+    bar = accelerator.is_local_main_process and sys.stderr.isatty()
+    for step, batch in enumerate(tqdm(dataloader, desc="evaluating", disable=not bar)):
         if should_stop is not None:
             flag = accelerator.reduce(torch.tensor([float(should_stop())], device=accelerator.device), "max")
             if flag.item() > 0:

@@ -121,8 +121,7 @@ def launcher_gone(pid: int) -> None:
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     handlers = []
-    launched_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and "LOCAL_RANK" in os.environ
-    if launched_deepspeed and not torch.cuda.is_available():
+    if deepspeed_on_cpu() and "LOCAL_RANK" in os.environ:
         # DeepSpeed on CPU: without an explicit gloo backend accelerate counts one process.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     return Accelerator(
@@ -134,6 +133,34 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         # uninterrupted one would have.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
+
+
+def deepspeed_on_cpu() -> bool:
+    """Launched with DeepSpeed (accelerate's environment says so) on a machine without CUDA."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
+
+
+def check_compiler() -> None:
+    """DeepSpeed on the CPU compiles its CPU Adam op (a torch extension) at the first run: without
+    a C++ compiler that is a long traceback minutes in. Fail at once with what is missing."""
+    if not deepspeed_on_cpu():
+        return
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else []
+    if not any(shutil.which(name) for name in [*names, "c++", "g++"]):
+        raise TrainingError(
+            "DeepSpeed builds its CPU Adam op with a C++ compiler and none was found "
+            f"({'/'.join([*names, 'c++', 'g++'])} on PATH): install one, e.g. `apt-get install g++`, "
+            "or run `make run` which sets it up"
+        )
+
+
+def preparing_phase(accelerator) -> str:
+    """The ``phase`` event's text while accelerator.prepare runs."""
+    if accelerator.state.deepspeed_plugin is None:
+        return "preparing the model"
+    if not torch.cuda.is_available():
+        return "preparing DeepSpeed (builds its CPU op the first time)"
+    return "preparing DeepSpeed"
 
 
 def check_output_dir(cfg: TrainConfig) -> None:

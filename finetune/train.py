@@ -4,7 +4,8 @@ Run with ``accelerate launch --config_file configs/accelerate/<name>.yaml -m fin
 on one process, ``python -m finetune ...``. ``train()`` is one straight path of four steps:
 
 - ``setup``: the checkpoint to resume from is chosen and verified, data and model are loaded
-  and checked (a bad file or model id fails before the run writes anything but its error event),
+  and checked (a bad file or model id fails before the run writes anything but its error event
+  and the ``phase`` events that say what setup was doing),
   the accelerator prepares model, optimizer, scheduler and loaders, the checkpoint is restored
   when resuming, and the ``start`` event is written;
 - ``train_epoch``: optimizer steps, with periodic logging, checks and checkpoints;
@@ -19,8 +20,10 @@ metrics.jsonl (``cli.error_event`` lists its fields).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +49,14 @@ from finetune.hub import push
 from finetune.parts import (
     StopRequest,
     TrainingError,
+    check_compiler,
     check_output_dir,
     is_rank0,
     make_accelerator,
     make_loaders,
     make_optimizer,
     plan_steps,
+    preparing_phase,
     save_final,
     start_profiler,
 )
@@ -148,6 +153,13 @@ def setup(cfg: TrainConfig) -> Run:
     """Load and check data and model, prepare everything for the accelerator, restore the
     checkpoint when resuming, and announce the run: the loop starts right after."""
     check_output_dir(cfg)
+    # What setup is doing, for the app (a silent start can take minutes): `phase` events.
+    metrics = ckpt.MetricsWriter(cfg.output_dir, enabled=is_rank0())
+
+    def phase(text: str) -> None:
+        with contextlib.suppress(OSError):  # an unwritable --output_dir fails where it did before
+            metrics.write("phase", phase=text)
+
     resume_from = None
     if cfg.resume_from_checkpoint:  # a missing or corrupt checkpoint fails now, not after minutes of loading
         # (before the accelerator: every rank checks the same files and reaches the same choice)
@@ -155,12 +167,16 @@ def setup(cfg: TrainConfig) -> Run:
             cfg.output_dir,
             cfg.resume_from_checkpoint,
             processes=int(os.environ.get("WORLD_SIZE", "1")),
-            metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=is_rank0()),
+            metrics=metrics,
         )
     # Data and model first: a bad file or model id fails here, before the run writes anything
-    # but its error event.
+    # but its phases and its error event.
+    check_compiler()  # DeepSpeed on the CPU builds an op at its first run: fail now if it cannot
+    phase("loading the tokenizer")
     tokenizer = load_tokenizer(cfg.model_name_or_path)
+    phase("loading data")
     raw = load_raw(cfg)
+    phase("connecting the processes")  # waits for every rank to get here
     accelerator = make_accelerator(cfg)
     if not accelerator.is_local_main_process:
         datasets.utils.logging.set_verbosity_error()
@@ -169,13 +185,16 @@ def setup(cfg: TrainConfig) -> Run:
     positions = AutoConfig.from_pretrained(resolve(cfg.model_name_or_path)).max_position_embeddings
     if positions < max(cfg.max_source_length, cfg.max_target_length):
         raise TrainingError(f"--max_source_length/--max_target_length exceed the model's {positions} positions")
+    phase("tokenizing")
     with accelerator.main_process_first():
         data = tokenize(raw, tokenizer, cfg)
+    phase("loading the model")
     # After the accelerator exists, so ZeRO-3 can partition the weights as they load.
     model = load_model(cfg.model_name_or_path, attn_implementation=configure_attention(cfg.attention))
     train_dl, eval_dl = make_loaders(accelerator, data, tokenizer, cfg)
     steps_per_epoch, total_steps, epochs = plan_steps(len(data["train"]), accelerator, cfg)
     optimizer, scheduler = make_optimizer(accelerator, model, cfg, total_steps)
+    phase(preparing_phase(accelerator))
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
     ds = accelerator.state.deepspeed_plugin
     run = Run(
@@ -196,6 +215,7 @@ def setup(cfg: TrainConfig) -> Run:
         metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=accelerator.is_main_process),
     )
     if resume_from:
+        phase("restoring a checkpoint")
         restore(run, resume_from)
     begin(run)
     return run
@@ -243,8 +263,11 @@ def begin(run: Run) -> None:
         f"global batch {global_batch}"
     )
     run.stop = StopRequest(cfg.output_dir)
-    run.progress = tqdm(
-        total=run.total_steps, initial=run.completed, desc="training", disable=not acc.is_local_main_process
+    run.progress = tqdm(  # on a terminal only: in a log file, log_window's line says the same
+        total=run.total_steps,
+        initial=run.completed,
+        desc="training",
+        disable=not acc.is_local_main_process or not sys.stderr.isatty(),
     )
     run.window = LossWindow.on(acc.device)
 
@@ -353,6 +376,11 @@ def log_window(run: Run, epoch: int) -> None:
         entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     run.metrics.write("log", **entry)
     run.progress.set_postfix(loss=f"{entry['loss']:.4f}")
+    if run.progress.disable:
+        log.info(
+            f"step {step} / {run.total_steps}: loss {entry['loss']:.4f}, lr {entry['lr']:.3g}, "
+            f"{entry['samples_per_second']:.1f} samples/s"
+        )
     if run.cfg.with_tracking:
         acc.log(
             {"train_loss": entry["loss"], "lr": entry["lr"], "samples_per_second": entry["samples_per_second"]},

@@ -400,8 +400,11 @@ def run_markdown(status: RunStatus) -> str:
         lines.append(
             f"`{progress_bar(status.progress)}` step {status.step} / {status.total_steps} ({status.progress:.0%})"
         )
-    else:
-        lines.append("starting: loading the model and the data…" if status.state == "running" else "")
+    if status.state == "running" and (status.phase or not status.total_steps):  # before this attempt's start
+        since = status.seconds_since_launch
+        lines.append(
+            f"starting{f' ({format_duration(since)})' if since is not None else ''}: {status.phase or 'launching'}…"
+        )
     facts = []
     if status.state == "running" and status.eta_seconds is not None:  # no countdown while it stops
         facts.append(f"ETA {format_duration(status.eta_seconds)}")

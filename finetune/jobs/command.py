@@ -53,13 +53,16 @@ def gpu_supports_bf16() -> bool:
         return False
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def cpu_processes() -> int:
     """Processes for a CPU run: 2 (the tested recipe), 1 on a one-core machine."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return 2 if cores >= 2 else 1
+    return 2 if _cores() >= 2 else 1
 
 
 def mixed_precision(spec: JobSpec) -> str:
@@ -207,4 +210,10 @@ def _is_secret(name: str) -> bool:
 def run_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a run is launched with: this one's, less the app's secrets (see above)."""
     environ = os.environ if environ is None else environ
-    return {name: value for name, value in environ.items() if not _is_secret(name)}
+    env = {name: value for name, value in environ.items() if not _is_secret(name)}
+    # Said here, the launcher and DeepSpeed need not say it: torch elastic's banner about
+    # OMP_NUM_THREADS, and DeepSpeed's "Setting accelerator to CPU" warning in every process.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // cpu_processes())))
+    if "DS_ACCELERATOR" not in env and detect_gpus() == 0:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env

@@ -42,6 +42,7 @@ _ERROR_LINE = re.compile(r"^\d\d:\d\d:\d\d ERROR [\w.]+: (.+)$")  # finetune.cli
 _ARGPARSE_ERROR = re.compile(r"^python -m finetune: error: (.+)$")
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt): .+$")
 _LAUNCHER_NOISE = ("ChildFailedError", "CalledProcessError")
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")  # terminal escape codes (colours, cursor moves)
 _SAMPLE_LINE = re.compile(r"prompt: .* \| prediction: .* \| reference: ")  # a sample in finetune/train.py's log
 PUBLIC_DATASETS = ("sample", DEFAULT_DATASET)  # data whose validation rows anyone may see
 
@@ -69,6 +70,15 @@ class RunStatus:
     # The run's data may be private (an upload, or a Hub dataset other than the public ones):
     # its validation rows, in ``samples`` and in the log, are for logged-in users only.
     samples_private: bool = False
+    # Before the ``start`` event: what setup is doing (the CLI's latest ``phase`` event) and
+    # when this launch attempt began (run.json's ``started``; None when not known).
+    phase: str | None = None
+    launched_at: float | None = None
+
+    @property
+    def seconds_since_launch(self) -> float | None:
+        """Seconds since this attempt was launched (computed now: the status may be cached)."""
+        return None if self.launched_at is None else max(0.0, time.time() - self.launched_at)
 
     def for_visitor(self) -> RunStatus:
         """What a visitor who is not logged in may see: without the validation rows (samples,
@@ -110,8 +120,8 @@ def tail(path: Path, lines: int, since: int = 0) -> list[str]:
             data = fh.read()
     except OSError:
         return []
-    # progress bars redraw with \r: keep only the last state of each line
-    text = data.decode(errors="replace")
+    # progress bars redraw with \r: keep only the last state of each line, without escape codes
+    text = _ANSI.sub("", data.decode(errors="replace"))
     rows = [row.rstrip("\r").rsplit("\r", 1)[-1] for row in text.split("\n")]
     if rows and rows[-1] == "":
         rows.pop()
@@ -202,7 +212,7 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
     everything = [e for _, e in events]
 
     loss, bleu = {}, {}
-    step, total, last_log, last_eval = 0, 0, None, None
+    step, total, last_eval = 0, 0, None
     for e in everything:
         kind = e.get("event")
         if isinstance(e.get("step"), int):
@@ -212,7 +222,6 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
             step = e.get("resumed_at", step)
         elif kind == "log":
             loss[e["step"]] = e["loss"]  # steps repeated after a resume: the later value wins
-            last_log = e
         elif kind == "eval":
             bleu[e["step"]] = e["eval_bleu"]
             last_eval = e
@@ -228,6 +237,8 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
     status.progress = min(1.0, step / total) if total else 0.0
     status.loss_points = [{"step": s, "loss": v} for s, v in sorted(loss.items())]
     status.bleu_points = [{"step": s, "bleu": v} for s, v in sorted(bleu.items())]
+    # speed and memory of this attempt only: after a resume they start afresh
+    last_log = next((e for e in reversed(current) if e.get("event") == "log"), None)
     if last_log:
         status.samples_per_second = last_log.get("samples_per_second")
         status.gpu_mem_gib = last_log.get("gpu_mem_gib")
@@ -237,6 +248,11 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
     status.log_tail = "\n".join(tail(run_dir / LOG_FILE, LOG_TAIL_LINES))
     status.has_checkpoint = bool(ckpt.list_checkpoints(run_dir))
 
+    if not any(e.get("event") == "start" for e in current):
+        phases = [e.get("phase") for e in current if e.get("event") == "phase"]
+        status.phase = str(phases[-1]) if phases else "launching the processes"
+    if isinstance(info.get("started"), (int, float)):
+        status.launched_at = float(info["started"])
     if alive or escalating:
         status.state = "stopping" if (run_dir / ckpt.STOP_FILE).exists() or escalating else "running"
         status.eta_seconds = _eta(current, step, total)

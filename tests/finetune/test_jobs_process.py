@@ -189,7 +189,12 @@ RUN_NEEDS = {
 
 
 def test_runs_are_launched_without_the_apps_secrets(tmp_path, monkeypatch):
-    assert command.run_env({**APP_SECRETS, **RUN_NEEDS, "PATH": "/bin"}) == {**RUN_NEEDS, "PATH": "/bin"}
+    quiet = {"OMP_NUM_THREADS": "3", "DS_ACCELERATOR": "cuda"}  # set ones are kept (else run_env sets them)
+    assert command.run_env({**APP_SECRETS, **RUN_NEEDS, "PATH": "/bin", **quiet}) == {
+        **RUN_NEEDS,
+        "PATH": "/bin",
+        **quiet,
+    }
     for name, value in {**APP_SECRETS, **RUN_NEEDS}.items():
         monkeypatch.setenv(name, value)
     run_dir = tmp_path / "run"

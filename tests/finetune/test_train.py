@@ -39,7 +39,9 @@ def accelerate(*flags):
 
 
 def events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The run's events, less the ``phase`` events of setup (tests/finetune/test_start_and_noise.py)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [e for e in rows if e["event"] != "phase"]
 
 
 def errors(out: Path) -> list[dict]:

@@ -216,6 +216,21 @@ def test_no_eta_counts_down_while_stopping():
     assert "ETA 42 s" in train_handlers.run_markdown(dataclasses.replace(status, state="running"))
 
 
+def test_run_markdown_says_what_a_start_is_doing_and_for_how_long():
+    starting = RunStatus(run_id="r", state="running", phase="loading the model", launched_at=time.time() - 65.2)
+    assert "starting (1 min 05 s): loading the model…" in train_handlers.run_markdown(starting)
+    # a resumed attempt shows its checkpoint's progress and what its start is doing
+    resumed = dataclasses.replace(starting, phase="restoring a checkpoint", step=8, total_steps=20, progress=0.4)
+    text = train_handlers.run_markdown(resumed)
+    assert "step 8 / 20" in text and "restoring a checkpoint…" in text and "ETA" not in text
+    # once it trains (no phase) or has ended, no "starting", no countdown, no "Stopping"
+    training = dataclasses.replace(resumed, phase=None, eta_seconds=30.0)
+    assert "starting" not in train_handlers.run_markdown(training)
+    for state in ("stopped", "failed", "finished"):
+        ended = train_handlers.run_markdown(dataclasses.replace(training, state=state, phase="loading data"))
+        assert "starting" not in ended and "ETA" not in ended and "stopping" not in ended.lower()
+
+
 def test_model_choices_list_finished_runs(tab):
     assert [v for _, v in train_handlers.base_model_choices(tab)] == ["tiny", DEFAULT_MODEL]
     final = tab.manager.root / "20250101-000000-abcdef" / "final"
@@ -517,7 +532,7 @@ def test_run_markdown_states():
     text = train_handlers.run_markdown(running)
     assert "running" in text and "step 5 / 20 (25%)" in text and "ETA 1 min 15 s" in text
     assert "12.3 samples/s" in text and "GPU memory 3.2 GiB" in text
-    assert "starting: loading" in train_handlers.run_markdown(RunStatus(run_id="r", state="running"))
+    assert "starting: launching…" in train_handlers.run_markdown(RunStatus(run_id="r", state="running"))
     failed = train_handlers.run_markdown(
         RunStatus(run_id="r", state="failed", error="CUDA out of memory", has_checkpoint=True)
     )
