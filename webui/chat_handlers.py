@@ -384,15 +384,22 @@ def serving_markdown(engine: ChatEngine) -> str:
     return f"✅ **Serving {model_label(loaded.name)}** ({detail})"
 
 
-def _checkpoint_label(final: Path) -> str:
-    label = f"{final.parent.name}/{final.name}"
-    results = final / RESULTS_FILE
+def model_bleu(spec: str) -> float | None:
+    """The validation BLEU a local model folder was saved with (its all_results.json), if any."""
     try:
-        bleu = json.loads(results.read_text()).get("eval_bleu")
-        if isinstance(bleu, (int, float)):
-            label += f" · BLEU {bleu:.1f}"
-    except (OSError, ValueError):
-        pass
+        bleu = json.loads((Path(spec) / RESULTS_FILE).read_text()).get("eval_bleu")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(bleu) if isinstance(bleu, (int, float)) and not isinstance(bleu, bool) else None
+
+
+def _with_bleu(label: str, spec: str) -> str:
+    bleu = model_bleu(spec)
+    return label if bleu is None else f"{label} · BLEU {bleu:.1f}"
+
+
+def _checkpoint_label(final: Path) -> str:
+    label = _with_bleu(f"{final.parent.name}/{final.name}", str(final))
     return label + time.strftime(" · %Y-%m-%d %H:%M", time.localtime(final.stat().st_mtime))
 
 
@@ -402,7 +409,7 @@ def picker_choices(
     """The model picker's (label, spec) choices: base model, demo model, finished checkpoints
     (newest first), and the model being served if it is none of those."""
     base = base or base_model()
-    choices = [(f"{base} (base model)", base), (model_label(str(DEMO_DIR)), str(DEMO_DIR))]
+    choices = [(f"{base} (base model)", base), (_with_bleu(model_label(str(DEMO_DIR)), str(DEMO_DIR)), str(DEMO_DIR))]
     choices += [(_checkpoint_label(p), str(p)) for p in list_finals(root if root is not None else runs_root())]
     seen, unique = set(), []
     for label, spec in choices:
@@ -452,22 +459,31 @@ def spec_to_load(choice: str | None, hub_id: str | None, choices: list[tuple[str
     return choice
 
 
-def load_model(engine: ChatEngine, choice: str | None, hub_id: str | None, root: Path | str | None = None):
-    """Swap the served model; yields (status, picker update). On failure the current model
-    keeps serving and the user gets a warning."""
+def load_model(
+    engine: ChatEngine, choice: str | None, hub_id: str | None, root: Path | str | None = None, confirmed=None
+):
+    """Swap the served model; yields (a note for the line under the Load button, the model a
+    second Load confirms). On failure the current model keeps serving and the note says why. A
+    model whose saved BLEU is below the serving one's is loaded only when asked twice
+    (``confirmed`` is the spec the previous Load warned about)."""
     try:
         spec = spec_to_load(choice, hub_id, picker_choices(root, current=engine.current.name))
     except InputError as err:
-        gr.Warning(str(err))
-        yield serving_markdown(engine), gr.skip()
+        yield f"⚠️ {err}", None
         return
-    yield f"⏳ Loading {model_label(spec)} … (the current model keeps serving until it is ready)", gr.skip()
+    target, serving = model_bleu(spec), model_bleu(engine.current.name)
+    if target is not None and serving is not None and target < serving and confirmed != spec:
+        yield (
+            f"⚠️ {model_label(spec)} scored BLEU {target:.1f} on its validation data, below the serving model's "
+            f"{serving:.1f}. Press **Load** again to serve it anyway.",
+            spec,
+        )
+        return
+    yield f"⏳ Loading {model_label(spec)} … (the current model keeps serving until it is ready)", None
     try:
         engine.swap(spec)
     except Exception as err:  # noqa: BLE001 - any failure leaves the served model as it was
         log.warning("cannot load %s: %s", spec, err)
-        gr.Warning(f"Could not load {model_label(spec)}: {err}")
-        yield serving_markdown(engine), gr.skip()
+        yield f"⚠️ Could not load {model_label(spec)}: {err}", None
         return
-    gr.Info(f"Now serving {model_label(spec)}")
-    yield serving_markdown(engine), refresh_models(engine, root)
+    yield f"✅ Now serving {model_label(spec)}.", None

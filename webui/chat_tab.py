@@ -12,7 +12,7 @@ import gradio as gr
 from chat.engine import MAX_CONTEXT_CHARS, MAX_MESSAGE_CHARS, ChatEngine
 from chat.prompt import EMOTIONS
 from webui import auth, chat_handlers
-from webui.train_handlers import TrainTab, explained
+from webui.train_handlers import TrainTab
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: handlers that change things check the login
 
@@ -191,25 +191,37 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
         with gr.Row():
             load = gr.Button("Load", variant="primary", elem_id="model-load")
             refresh = gr.Button("Refresh")
+        # What Load did or why not, where the user looks (not as badges over the picker or banner).
+        note = gr.Markdown(elem_id="model-load-note")
+        pending = gr.State(None)  # the model a warning asked to confirm with a second Load
         gr.Markdown(
             "Loading a model switches it for everyone using this app, so it needs the Train tab's login; "
             "replies already being written finish on the old one. If loading fails, the current model "
             "keeps serving."
         )
 
-    def load_model(token: str | None, profile: gr.OAuthProfile | None, choice, hub):
+    def load_model(token: str | None, profile: gr.OAuthProfile | None, choice, hub, confirmed):
         # Swapping the model changes it for everyone: a login is needed, checked here.
-        with explained("switch the served model"):
+        try:
             auth.require(train.auth, token, profile, "switch the served model (it changes it for everyone)")
-        yield from chat_handlers.load_model(engine, choice, hub, runs)
+        except auth.AuthError as err:
+            yield f"🔒 {err}", None
+            return
+        yield from chat_handlers.load_model(engine, choice, hub, runs, confirmed)
 
     load.click(
         load_model,
-        [session, picker, hub_id],
-        [status, picker],
+        [session, picker, hub_id, pending],
+        [note, pending],
         concurrency_limit=1,
         concurrency_id="load",
         api_name="load_model",
+        **PRIVATE,
+    ).then(
+        lambda: (chat_handlers.serving_markdown(engine), chat_handlers.refresh_models(engine, runs)),
+        None,
+        [status, picker],
+        queue=False,
         **PRIVATE,
     )
     refresh.click(

@@ -389,14 +389,31 @@ def test_load_model_keeps_serving_on_failure(fresh_engine, tiny_path, tmp_path):
     good = runs / "good" / "final"
     shutil.copytree(tiny_path, good)
     for choice, hub in [(str(broken), ""), (None, "not a hub id"), (str(tmp_path / "nothing"), "")]:
-        with pytest.warns(UserWarning, match="Could not load|not a Hub model id|Pick a model|not in the list"):
-            steps = list(chat_handlers.load_model(fresh_engine, choice, hub, runs))
-        assert steps[-1][0] == chat_handlers.serving_markdown(fresh_engine)
+        steps = list(chat_handlers.load_model(fresh_engine, choice, hub, runs))
+        note, pending = steps[-1]
+        assert note.startswith("⚠️ ") and pending is None
+        assert any(why in note for why in ("Could not load", "not a Hub model id", "Pick a model", "not in the list"))
         assert fresh_engine.current is before
-    steps = list(chat_handlers.load_model(fresh_engine, str(good), "", runs))
+    steps = list(chat_handlers.load_model(fresh_engine, str(good), "", runs))  # no saved BLEU: no warning
     assert steps[0][0].startswith("⏳ Loading")
     assert fresh_engine.current is not before and fresh_engine.status == f"serving {good}"
-    assert steps[-1][0].startswith(f"✅ **Serving {good}**")
+    assert steps[-1] == ("✅ Now serving " + str(good) + ".", None)
+
+
+def test_a_worse_model_needs_a_second_load(fresh_engine, tiny_path, tmp_path):
+    """The demo model scored BLEU ~60 on the sample; a run that scored less is loaded only when asked twice."""
+    runs = tmp_path / "runs"
+    weak = runs / "weak" / "final"
+    shutil.copytree(tiny_path, weak)
+    (weak / "all_results.json").write_text('{"eval_bleu": 1.7}')
+    labels = dict((spec, label) for label, spec in chat_handlers.picker_choices(runs, base="b/base"))
+    assert "BLEU 1.7" in labels[str(weak)] and "BLEU 60.0" in labels[str(DEMO_DIR)]  # every local model shows it
+    before = fresh_engine.current
+    ((note, pending),) = list(chat_handlers.load_model(fresh_engine, str(weak), "", runs))
+    assert "BLEU 1.7" in note and "below the serving model's 60.0" in note and pending == str(weak)
+    assert fresh_engine.current is before
+    steps = list(chat_handlers.load_model(fresh_engine, str(weak), "", runs, confirmed=pending))
+    assert steps[-1][0].startswith("✅ Now serving") and fresh_engine.current.name == str(weak)
 
 
 # --------------------------------------------------------------------------- app.py and README

@@ -96,6 +96,8 @@ def test_anonymous_callers_are_refused_server_side(locked, upload_file):
     for api_name, args in guarded_calls(locked, upload_file).items():
         with pytest.raises(AppError, match="log in first"):
             caller(api_name, *args)
+    # Load answers in its own line under the button (not with error badges over the picker)
+    assert "log in first" in caller("load_model", str(DEMO_DIR), "")
     assert locked.tab.manager.runs() == [] and not locked.data.exists()  # nothing started, nothing copied
     assert locked.engine.current is serving
     # watching and "Show command" stay open; chatting too
@@ -134,6 +136,9 @@ def test_nothing_configured_refuses_everyone(open_app, upload_file):
     for api_name, args in guarded_calls(open_app, upload_file).items():
         with pytest.raises(AppError, match="no login is configured"):
             caller(api_name, *args)
+    serving = open_app.engine.current
+    assert "no login is configured" in caller("load_model", str(DEMO_DIR), "")
+    assert open_app.engine.current is serving
     assert open_app.tab.manager.runs() == [] and not open_app.data.exists()
     assert caller.client.predict("hi!", "none", "", api_name="/chat").strip()
 
@@ -196,8 +201,11 @@ def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, uploa
 
     # the Chat tab: Refresh, then Load the new checkpoint (a logged-in action), then chat with it
     caller("refresh_models")
-    status_line, _ = caller("load_model", final, "")
-    assert status_line.startswith(f"✅ **Serving {final}**")
+    # The new run scored below the demo model (BLEU ~60 on the sample): the first Load warns, a second loads.
+    warned = caller("load_model", final, "")
+    assert "below the serving model's" in warned and "Load** again" in warned
+    assert locked.engine.current.name != final
+    assert caller("load_model", final, "").startswith("✅ Now serving")
     assert locked.engine.current.name == final
     assert caller.client.predict("hi! how are you?", "none", "", api_name="/chat").strip()
     # a push needs the Hub: offline it fails with the reason, and the app keeps serving

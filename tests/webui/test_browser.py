@@ -143,6 +143,8 @@ def test_chat_train_and_serve_the_new_model(served, page):
     page.get_by_role("button", name="Model").first.click()  # the accordion
     page.locator("#model-picker input").click()
     page.get_by_role("option", name=f"{run_id}/final").click()  # a substring of its label
+    page.locator("#model-load").click()  # it scored below the demo model: a warning, under the button
+    expect(page.locator("#model-load-note")).to_contain_text("Load** again".replace("**", ""))
     page.locator("#model-load").click()
     expect(page.locator("#serving-status")).to_contain_text(f"Serving {final}")
     assert served.engine.current.name == final
