@@ -437,8 +437,12 @@ def current_choice(engine: ChatEngine, choices: list[tuple[str, str]]) -> str | 
     return None
 
 
-def refresh_models(engine: ChatEngine, root: Path | str | None = None):
+def refresh_models(engine: ChatEngine, root: Path | str | None = None, keep_value: bool = False):
+    """The picker with the current choices, showing the served model (or, with ``keep_value``,
+    what the user picked: after a Load that asked for confirmation, the model to confirm)."""
     choices = picker_choices(root, current=engine.current.name)
+    if keep_value:
+        return gr.update(choices=choices)
     return gr.update(choices=choices, value=current_choice(engine, choices))
 
 

@@ -218,7 +218,7 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
         api_name="load_model",
         **PRIVATE,
     ).then(
-        lambda: (chat_handlers.serving_markdown(engine), chat_handlers.refresh_models(engine, runs)),
+        lambda: (chat_handlers.serving_markdown(engine), chat_handlers.refresh_models(engine, runs, keep_value=True)),
         None,
         [status, picker],
         queue=False,

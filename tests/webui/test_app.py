@@ -301,7 +301,7 @@ def test_model_choices_lists_base_demo_and_finished_runs_newest_first(tmp_path):
     assert served[0] == ("user/other (serving)", "user/other") and len(served) == 5
     assert chat_handlers.picker_choices(tmp_path / "missing", base="b/base", current=str(DEMO_DIR)) == [
         ("b/base (base model)", "b/base"),
-        ("demo model (tiny, bundled)", str(DEMO_DIR)),
+        ("demo model (tiny, bundled) · BLEU 60.0", str(DEMO_DIR)),  # its all_results.json
     ]
 
 

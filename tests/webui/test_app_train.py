@@ -69,7 +69,6 @@ def guarded_calls(served: App, upload: Path) -> dict:
         "train_push": ["someone/chat", False],
         "train_upload_train": [handle_file(str(upload)), "chatbot: "],
         "train_upload_validation": [handle_file(str(upload)), "chatbot: "],
-        "load_model": [str(DEMO_DIR), ""],
     }
 
 
