@@ -11,24 +11,14 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import pytest
+from browser import CHROMIUM, expect, needs_browser, sync_playwright
 from served_app import App
 
 from webui import auth
 
-try:
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # pragma: no cover - depends on the machine
-    sync_playwright = None
-
-CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = pytest.mark.skipif(
-    sync_playwright is None or not CHROMIUM.exists(),
-    reason="browser test needs Playwright (`pip install playwright`) and Debian's chromium (/usr/bin/chromium, "
-    "`apt-get install chromium`); .ci/run installs both",
-)
+pytestmark = needs_browser
 
 PASSWORD = "browser-test-password"
 TRAIN_TIMEOUT_MS = 120_000

@@ -15,21 +15,12 @@ import re
 from pathlib import Path
 
 import pytest
+from browser import CHROMIUM, expect, needs_browser, sync_playwright
 from served_app import App
 
 from webui import auth, chat_handlers, chat_tab
 
-try:
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # pragma: no cover - depends on the machine
-    sync_playwright = None
-
-CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = pytest.mark.skipif(
-    sync_playwright is None or not CHROMIUM.exists(),
-    reason="browser test needs Playwright (`pip install playwright`) and Debian's chromium (/usr/bin/chromium, "
-    "`apt-get install chromium`); .ci/run installs both",
-)
+pytestmark = needs_browser
 
 VIEWPORTS = {"desktop": {"width": 1366, "height": 900}, "phone": {"width": 390, "height": 844}}
 AA = 4.5  # WCAG AA contrast for normal-size text
