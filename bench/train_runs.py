@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from chat.layout import ROOT
+from finetune.jobs.command import free_port
 
 log = logging.getLogger("bench.train")  # one logger for the whole benchmark
 
@@ -48,12 +48,6 @@ def setup_of(result: dict) -> tuple[str, str, str, int]:
     """(recipe, strategy, data, processes) of a run's result: runs of one setup are compared."""
     v = result["variant"]
     return v["recipe"], v["strategy"], v["data"], v["processes"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]:
@@ -93,7 +87,7 @@ def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]
     if v.recipe == "seed":
         args += ["--pad_to_max_length", "--group_by_length", "false", "--fast_ngram_blocking", "false"]
         args += ["--dataloader_num_workers", "0", "--attention", "sdpa", "--eval_attention", "sdpa"]
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port())]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
     return [*accelerate, *launcher, "-m", "finetune", *args]
 
 

@@ -53,7 +53,8 @@ _WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 PARQUET_BATCH_ROWS = 256  # at most 256 x 2 x 64 KB of text decoded at a time
 
 
-def _mb(n: int) -> str:
+def megabytes(n: int) -> str:
+    """``n`` bytes as "12.5 MB" (whole numbers without ".0"), for limits named in messages."""
     return f"{n / 2**20:.1f}".removesuffix(".0") + " MB"
 
 
@@ -102,7 +103,7 @@ def main() -> None:
     except MemoryError:
         answer = {
             "error": f"{name}: row {progress[0] + 1}: reading the file needs more than "
-            f"{_mb(limits['memory_bytes'])} of memory (the limit for checking an upload)"
+            f"{megabytes(limits['memory_bytes'])} of memory (the limit for checking an upload)"
         }
     except Exception as err:  # noqa: BLE001 - a parser's own error: the file is not what its name says
         cause = (str(err).splitlines() or [type(err).__name__])[0]
@@ -167,7 +168,8 @@ def _validated(path: str, limits: dict, progress: list) -> Iterator[tuple[str, s
             total += size
         if total > limits["text_bytes"]:
             raise _Rejected(
-                f"row {n}: the rows so far hold over {_mb(limits['text_bytes'])} of text (the limit for an upload)"
+                f"row {n}: the rows so far hold over {megabytes(limits['text_bytes'])} of text "
+                "(the limit for an upload)"
             )
         progress[0] = n
         yield texts, labels
@@ -227,7 +229,9 @@ def _json_lines(path: str, limits: dict) -> Iterator[dict]:
             row += 1
             where = f"row {row}" + (f" (line {line_no})" if line_no != row else "")
             if len(line.rstrip(b"\r\n")) > limits["line_bytes"]:
-                raise _Rejected(f"{where}: the line is longer than {_mb(limits['line_bytes'])} (the limit for one row)")
+                raise _Rejected(
+                    f"{where}: the line is longer than {megabytes(limits['line_bytes'])} (the limit for one row)"
+                )
             try:
                 value = json.loads(line)
             except ValueError as err:  # JSONDecodeError, or bytes that are no UTF-8
@@ -242,8 +246,8 @@ def _json_array(path: str, limits: dict) -> Iterator[dict]:
     size = os.path.getsize(path)
     if size > limits["document_bytes"]:
         raise _Rejected(
-            f"a .json array is parsed whole; this one is {_mb(size)}, the limit is "
-            f"{_mb(limits['document_bytes'])} (JSON lines, one object per line, may be larger)"
+            f"a .json array is parsed whole; this one is {megabytes(size)}, the limit is "
+            f"{megabytes(limits['document_bytes'])} (JSON lines, one object per line, may be larger)"
         )
     text = Path(path).read_bytes().decode("utf-8-sig")
     decoder, pos, row = json.JSONDecoder(), _WS.match(text, _WS.match(text).end() + 1).end(), 0  # past '['
@@ -351,6 +355,7 @@ def _arrow_rows(open_batches: Callable[[], Iterable], limits: dict) -> Iterator[
     except pa.ArrowInvalid as err:
         if "straddl" in str(err):  # a csv row longer than a block
             raise _Rejected(
-                f"row {done + 1} or after: a row is longer than {_mb(limits['line_bytes'])} (the limit for one row)"
+                f"row {done + 1} or after: a row is longer than {megabytes(limits['line_bytes'])} "
+                "(the limit for one row)"
             ) from None
         raise

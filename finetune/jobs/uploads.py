@@ -29,6 +29,7 @@ from pathlib import Path
 
 from chat.layout import ROOT
 from finetune.jobs.paths import RUN_FILE, RUN_ID_RE, allowed_roots, data_root, read_info, split_files
+from finetune.jobs.upload_check import megabytes
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,6 @@ def _limits() -> dict:
         "memory_bytes": CHECK_MEMORY_BYTES,
         "seconds": CHECK_SECONDS,
     }
-
-
-def _mb(n: int) -> str:
-    return f"{n / MB:.1f}".removesuffix(".0") + " MB"
 
 
 # --------------------------------------------------------------------------- the app's side
@@ -116,7 +113,7 @@ def _run_check(path, name: str | None, mode: str, **request) -> dict:
         log.warning("upload check of %s ended with exit code %s: %s", path, done.returncode, done.stderr[-2000:])
         answer = {
             "error": f"{name}: the check of the file was stopped (exit code {done.returncode}): reading it "
-            f"needs more than {_mb(limits['memory_bytes'])} of memory or {limits['seconds']} s "
+            f"needs more than {megabytes(limits['memory_bytes'])} of memory or {limits['seconds']} s "
             "(the limits for an upload)"
         }
     log.info(
@@ -125,7 +122,7 @@ def _run_check(path, name: str | None, mode: str, **request) -> dict:
         path,
         answer.get("error", "valid"),
         time.monotonic() - started,
-        _mb(answer.get("peak_bytes") or 0),
+        megabytes(answer.get("peak_bytes") or 0),
     )
     if "error" in answer:
         raise DataError(answer["error"], file=str(path))
@@ -234,6 +231,6 @@ def ensure_room(
     used = _tree_bytes(root)
     if used + size > max_bytes:
         raise ValueError(
-            f"the app's storage for uploads is full ({_mb(used)} of {_mb(max_bytes)} in use, by "
+            f"the app's storage for uploads is full ({megabytes(used)} of {megabytes(max_bytes)} in use, by "
             "uploads that runs use or that are under an hour old); try again later"
         )

@@ -3,7 +3,6 @@ Hub push failure, failures as `error` events. Each run uses the tiny preset on t
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from chat.layout import ROOT
+from finetune.jobs.command import free_port
 
 # The flags every run here shares: the tiny model on a slice of the sample data, quick to train and evaluate.
 FAST = (
@@ -46,12 +46,6 @@ def events(out: Path) -> list[dict]:
 
 def errors(out: Path) -> list[dict]:
     return [e for e in events(out) if e["event"] == "error"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

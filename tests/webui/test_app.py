@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from chat.engine import (
 )
 from chat.layout import ROOT
 from chat.prompt import EMOTIONS, KINDS
+from finetune.jobs.command import free_port
 from webui import chat_handlers
 
 HELLO = "hi! tell me about yourself."
@@ -49,12 +49,6 @@ CONTEXTS = {
     "topic": "jazz",
     "none": "",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- fixtures
