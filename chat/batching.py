@@ -123,24 +123,29 @@ class Batcher:
     def _loop(self) -> None:
         _cuda_graph_thread_state()
         while True:
-            first = self._held.pop(0) if self._held else self._queue.get()
-            batch = [first]
-            for r in [r for r in self._held if r.key == first.key][: self.max_batch - 1]:
-                self._held.remove(r)
-                batch.append(r)
-            # Wait a few milliseconds for more requests that can join this batch (none can join
-            # a request that must run alone).
-            deadline = time.monotonic() + (0 if first.key[0] == "alone" else self.window_s)
-            while len(batch) < self.max_batch:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    nxt = self._queue.get(timeout=remaining)
-                except queue.Empty:
-                    break
-                (batch if nxt.key == first.key else self._held).append(nxt)
-            self._run(batch)
+            # Nothing of a batch outlives its run: a request holds its LoadedModel, and a model
+            # swapped out (or the Compare tab's idle one) must be freed now, not after the next reply.
+            self._run(self._next_batch())
+
+    def _next_batch(self) -> list[Request]:
+        """Wait for a request, then a few milliseconds for more that can join it (none can join
+        a request that must run alone); others are held for the next batch."""
+        first = self._held.pop(0) if self._held else self._queue.get()
+        batch = [first]
+        for r in [r for r in self._held if r.key == first.key][: self.max_batch - 1]:
+            self._held.remove(r)
+            batch.append(r)
+        deadline = time.monotonic() + (0 if first.key[0] == "alone" else self.window_s)
+        while len(batch) < self.max_batch:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                nxt = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                break
+            (batch if nxt.key == first.key else self._held).append(nxt)
+        return batch
 
     def _run(self, batch: list[Request]) -> None:
         first = batch[0]
