@@ -140,6 +140,24 @@ def split_source(source: str) -> tuple[str, list[str]]:
     return context_text, body.split(TURN_SEP)
 
 
+def kind_of(source: str) -> str:
+    """The kind whose ``format_context`` built the context of ``source`` (the inverse; "none"
+    for a source without a context). Used to report evaluation scores per kind.
+
+    ``split_source`` finds the context exactly: only a context is followed by CONTEXT_SEP's two
+    spaces (neutralized turns never hold two spaces in a row), so a "none" source whose first
+    turn merely starts with "topic: " stays "none". A context no template made (data not built
+    by ``build_source``) is a ValueError."""
+    context_text, _ = split_source(source)
+    if not context_text:
+        return "none"
+    for kind, template in _CONTEXT_TEMPLATE.items():
+        head, tail = template.split("{}")
+        if context_text.startswith(head) and context_text.endswith(tail) and len(context_text) > len(head + tail):
+            return kind
+    raise ValueError(f"not a context of any kind ({', '.join(KINDS)}): {context_text[:80]!r}")
+
+
 def fit_source(
     context_text: str, turns: Sequence[str], count_tokens: Callable[[str], int], max_tokens: int
 ) -> tuple[str, int]:

@@ -37,6 +37,17 @@ class TrainConfig:
         "Local train file (.jsonl/.json/.csv/.parquet); overrides dataset_name.", default=None
     )
     validation_file: str | None = _doc("Local validation file (same formats).", default=None)
+    feedback_file: str | None = _doc(
+        "Extra training rows (e.g. the app's feedback export, same formats), mixed into the train split.", default=None
+    )
+    feedback_ratio: float = _doc(
+        "Share of training rows drawn from feedback_file (0 < r <= 1; the smaller part is oversampled so both "
+        "are seen once per epoch; 1 = the feedback rows only).",
+        default=0.5,
+    )
+    feedback_validation_file: str | None = _doc(
+        "Held-out feedback rows, evaluated separately (eval_bleu_feedback); needs feedback_file.", default=None
+    )
     n_train: int | None = _doc(
         "Use only the first N train rows (seed behaviour, no shuffle before the cut).", default=None
     )
@@ -78,7 +89,10 @@ class TrainConfig:
         "Tensorized n-gram blocking (same bans as transformers' per-hypothesis loop, far faster).", default=True
     )
     # --- optimisation
-    per_device_train_batch_size: int = _doc("Micro-batch per process.", default=8)
+    per_device_train_batch_size: int | str = _doc(
+        "Micro-batch per process, or 'auto': the largest that fits the GPU (finetune/memory.py; 8 without a GPU).",
+        default=8,
+    )
     per_device_eval_batch_size: int = _doc("Evaluation batch per process.", default=8)
     learning_rate: float = _doc("Peak learning rate.", default=5e-5)
     weight_decay: float = _doc("AdamW weight decay.", default=0.0)
@@ -115,6 +129,10 @@ class TrainConfig:
             raise ValueError("give --dataset_name or --train_file")
         if (self.train_file is None) != (self.validation_file is None):
             raise ValueError("--train_file and --validation_file go together")
+        if not 0 < self.feedback_ratio <= 1:  # (also refuses NaN)
+            raise ValueError(f"--feedback_ratio must be > 0 and <= 1, got {self.feedback_ratio}")
+        if self.feedback_validation_file is not None and self.feedback_file is None:
+            raise ValueError("--feedback_validation_file needs --feedback_file (held-out rows of the same feedback)")
         for name in (
             "max_source_length",
             "max_target_length",
@@ -125,7 +143,7 @@ class TrainConfig:
             "num_beams",
             "logging_steps",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) != "auto" and getattr(self, name) < 1:  # (only the batch size takes 'auto')
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("n_train", "n_val", "max_train_steps", "checkpointing_steps"):
             value = getattr(self, name)
@@ -160,7 +178,18 @@ def _field_type(f: dataclasses.Field) -> type:
     """The concrete type behind ``int | None`` style annotations."""
     hint = typing.get_type_hints(TrainConfig)[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if args == [int, str]:  # a number or 'auto'
+        return int_or_auto
     return args[0] if args else hint
+
+
+def int_or_auto(value) -> int | str:
+    """A whole number, or 'auto' (any case): the type of --per_device_train_batch_size."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a whole number or 'auto', got {value!r}")
+    return int(value)
 
 
 def _parse_bool(text: str) -> bool:
@@ -217,6 +246,11 @@ def load_yaml(path: str) -> dict:
 def _yaml_value(path: str, f: dataclasses.Field, value):
     """Give a YAML value the field's type, as the CLI would: YAML reads 5e-5 as a string."""
     kind = _field_type(f)
+    if kind is int_or_auto:
+        try:
+            return int_or_auto(value)
+        except ValueError:
+            raise ValueError(f"config {path}: {f.name} must be a whole number or 'auto', got {value!r}") from None
     if value is None and type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[f.name]):
         return value
     if kind is bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, interleave_datasets, load_dataset
 
 from chat.layout import SAMPLE_DIR
 from chat.prompt import build_source, fit_source, split_source
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 FLAT = ("texts", "labels")
 STRUCTURED = ("kind", "context", "turns", "response")
+# A mixed train split holds this many rows at most: a ratio far from the rows' own share repeats
+# the smaller part that often (and its index takes 8 bytes a row).
+MAX_MIXED_ROWS = 50_000_000
 
 
 class DataError(ValueError):
@@ -139,7 +142,9 @@ def validate(ds: Dataset, where: str) -> Dataset:
 
 
 def load_raw(cfg) -> DatasetDict:
-    """The train and validation splits, validated, cut to n_train / n_val first rows."""
+    """The train and validation splits, validated, cut to n_train / n_val first rows; with
+    ``cfg.feedback_file`` its rows mixed into train (``mix``), with ``cfg.feedback_validation_file``
+    a third split, "feedback", of held-out feedback rows."""
     local = bool(cfg.train_file or cfg.dataset_name == "sample")
     if local:
         train_file = cfg.train_file or str(SAMPLE_DIR / "train.jsonl")
@@ -169,7 +174,43 @@ def load_raw(cfg) -> DatasetDict:
         except DataError as err:
             err.file = where if local else None  # a Hub split is no file
             raise
+    if cfg.feedback_file:
+        out["train"] = mix(out["train"], _validated_file(cfg.feedback_file), cfg.feedback_ratio, cfg.seed)
+    if cfg.feedback_validation_file:
+        out["feedback"] = _validated_file(cfg.feedback_validation_file)
     return DatasetDict(out)
+
+
+def _validated_file(path: str) -> Dataset:
+    """A local file read and validated like a train file; a DataError names it."""
+    try:
+        return validate(_read_file(path), path)
+    except DataError as err:
+        err.file = path
+        raise
+
+
+def mix(base: Dataset, feedback: Dataset, ratio: float, seed: int) -> Dataset:
+    """Interleave ``feedback`` into ``base``: each row comes from feedback with probability
+    ``ratio``, until both have been seen once ("all_exhausted": the smaller share is repeated).
+    ``ratio`` 1 is the feedback rows alone. Seeded, so every process builds the same split."""
+    if ratio >= 1:
+        log.info(f"training on the {len(feedback)} feedback rows only (--feedback_ratio 1)")
+        return feedback
+    expected = max(len(base) / (1 - ratio), len(feedback) / ratio)  # draws until both are seen once
+    if expected > MAX_MIXED_ROWS:
+        raise DataError(
+            f"--feedback_ratio {ratio} with {len(feedback)} feedback and {len(base)} train rows would make an epoch "
+            f"of about {expected:,.0f} rows (more than {MAX_MIXED_ROWS:,}): choose a ratio nearer "
+            f"{len(feedback) / (len(feedback) + len(base)):.3g}, the rows' own share"
+        )
+    if feedback.features != base.features:  # e.g. large_string from a parquet file vs string
+        feedback = feedback.cast(base.features)
+    mixed = interleave_datasets(
+        [base, feedback], probabilities=[1 - ratio, ratio], seed=seed, stopping_strategy="all_exhausted"
+    )
+    log.info(f"mixed {len(feedback)} feedback rows into {len(base)} train rows (ratio {ratio}): {len(mixed)} rows")
+    return mixed
 
 
 def tokenize(raw: DatasetDict, tokenizer, cfg) -> DatasetDict:
@@ -194,7 +235,8 @@ def tokenize(raw: DatasetDict, tokenizer, cfg) -> DatasetDict:
         return model_inputs
 
     out = {}
-    for split, max_target in (("train", cfg.max_target_length), ("validation", cfg.val_max_target_length)):
+    for split in raw:  # train, validation and (held-out feedback) "feedback"
+        max_target = cfg.max_target_length if split == "train" else cfg.val_max_target_length
         out[split] = raw[split].map(
             preprocess,
             batched=True,

@@ -11,8 +11,12 @@ import torch
 from tqdm.auto import tqdm
 
 from chat.fastgen import fast_kwargs
+from chat.prompt import KINDS, kind_of
 
 log = logging.getLogger(__name__)
+
+# A source whose context no kind made (a Hub dataset not built by chat.prompt) is scored as this.
+OTHER_KIND = "other"
 
 
 def generation_kwargs(cfg) -> dict:
@@ -39,7 +43,8 @@ def _decode(tokenizer, ids: torch.Tensor, keep_structure: bool = False) -> list[
 
 @torch.no_grad()
 def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False, should_stop=None) -> dict | None:
-    """Return eval_loss, eval_bleu, eval_seconds and (prompt, prediction, reference) samples.
+    """Return eval_loss, eval_bleu, eval_seconds, (prompt, prediction, reference) samples, and
+    eval_bleu_<kind> / eval_rows_<kind> for each kind of dialogue present (``bleu_by_kind``).
 
     ``should_stop`` (a callable) is polled before each batch, collectively so all ranks agree;
     when it says stop, evaluation ends early and returns None.
@@ -49,7 +54,7 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
     generator = accelerator.unwrap_model(model)
     kwargs = generation_kwargs(cfg)
     pad = tokenizer.pad_token_id
-    predictions, references, samples, losses = [], [], [], []
+    predictions, references, kinds, samples, losses = [], [], [], [], []
     # A bar on a terminal only: in a log file (the app's train.log) its redraws would be noise.
     bar = accelerator.is_local_main_process and sys.stderr.isatty()
     for step, batch in enumerate(tqdm(dataloader, desc="evaluating", disable=not bar)):
@@ -82,11 +87,10 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
         preds, refs = _decode(tokenizer, generated), _decode(tokenizer, labels)
         predictions += preds
         references += refs
+        prompts = _decode(tokenizer, inputs, keep_structure=True)  # (cheap next to generating)
+        kinds += [source_kind(prompt, cfg.source_prefix) for prompt in prompts]
         if step < cfg.n_val_batch_generations:
-            samples += [
-                dict(prompt=p, prediction=y, reference=r)
-                for p, y, r in zip(_decode(tokenizer, inputs, keep_structure=True), preds, refs)
-            ]
+            samples += [dict(prompt=p, prediction=y, reference=r) for p, y, r in zip(prompts, preds, refs)]
     bleu = sacrebleu.corpus_bleu(predictions, [references]).score
     model.train()
     return dict(
@@ -95,4 +99,55 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
         eval_samples=len(predictions),
         eval_seconds=time.perf_counter() - start,
         samples=samples,
+        **bleu_by_kind(predictions, references, kinds),
     )
+
+
+def source_kind(prompt: str, source_prefix: str) -> str:
+    """The kind of a decoded encoder input (prefix + source; decoding may lose edge spaces)."""
+    text, prefix = prompt.strip(), source_prefix.strip()
+    if prefix and text.startswith(prefix):
+        text = text[len(prefix) :].lstrip()
+    try:
+        return kind_of(text)
+    except ValueError:
+        return OTHER_KIND
+
+
+def bleu_by_kind(predictions: list[str], references: list[str], kinds: list[str]) -> dict:
+    """eval_bleu_<kind> (corpus BLEU of that kind's rows) and eval_rows_<kind>, for each kind present."""
+    out = {}
+    for kind in (*KINDS, OTHER_KIND):
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        if rows:
+            preds, refs = [predictions[i] for i in rows], [references[i] for i in rows]
+            out[f"eval_bleu_{kind}"] = sacrebleu.corpus_bleu(preds, [refs]).score
+            out[f"eval_rows_{kind}"] = len(rows)
+    return out
+
+
+def evaluate_all(accelerator, model, loaders, tokenizer, cfg, zero3=False, should_stop=None) -> dict | None:
+    """``evaluate`` on the validation split and, when there is one, the held-out feedback split,
+    with the same generation settings. ``loaders`` = (validation, held-out feedback or None); the
+    latter's figures come as eval_bleu_feedback, eval_loss_feedback and eval_rows_feedback beside
+    the validation split's. None when stopped."""
+    dataloader, feedback_dl = loaders
+    results = evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3=zero3, should_stop=should_stop)
+    if results is None or feedback_dl is None:
+        return results
+    held = evaluate(accelerator, model, feedback_dl, tokenizer, cfg, zero3=zero3, should_stop=should_stop)
+    if held is None:
+        return None
+    results.update(
+        eval_bleu_feedback=held["eval_bleu"],
+        eval_loss_feedback=held["eval_loss"],
+        eval_rows_feedback=held["eval_samples"],
+        eval_seconds=results["eval_seconds"] + held["eval_seconds"],
+    )
+    return results
+
+
+def scores(results: dict) -> dict:
+    """The figures of an evaluation beyond eval_bleu / eval_loss: per kind and held-out feedback
+    (the keys metrics.jsonl, all_results.json and the model card carry beside eval_bleu)."""
+    return {k: v for k, v in results.items() if k.startswith(("eval_bleu_", "eval_rows_", "eval_loss_"))}

@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
+from chat.prompt import KINDS
+from finetune.evaluate import OTHER_KIND
+
 log = logging.getLogger(__name__)
 
 
@@ -58,16 +61,45 @@ BlenderBot fine-tuned for persona / emotion / task / topic-conditioned chat in t
 - Data: `{cfg.train_file or cfg.dataset_name}` ({results.get("train_samples", "?")} training rows)
 - Evaluation: sacreBLEU {bleu if bleu is None else round(bleu, 2)} on {results.get("eval_samples", "?")} validation rows
   (beams {cfg.num_beams}, min length {cfg.val_min_target_length}, max length {cfg.val_max_target_length})
-- Hardware: {hardware()}, {world_size} process(es)
+{_feedback_lines(cfg, results)}- Hardware: {hardware()}, {world_size} process(es)
 - Input format: `{cfg.source_prefix}` + the MuDoConv source (see `training_args.json`)
 
-Trained with:
+{_kind_table(results)}Trained with:
 
 ```
 {command}
 ```
 """
     ModelCard(content).save(folder / "README.md")
+
+
+def _round(value) -> str:
+    return "?" if value is None else f"{value:.2f}"
+
+
+def _feedback_lines(cfg, results: dict) -> str:
+    """The card's lines about feedback rows (file names only: the folders are the server's)."""
+    if not getattr(cfg, "feedback_file", None):
+        return ""
+    lines = f"- Feedback: `{Path(cfg.feedback_file).name}` mixed in at ratio {cfg.feedback_ratio}\n"
+    if "eval_bleu_feedback" in results:
+        lines += (
+            f"- Held-out feedback: sacreBLEU {_round(results['eval_bleu_feedback'])}, eval loss "
+            f"{_round(results.get('eval_loss_feedback'))} on {results.get('eval_rows_feedback', '?')} rows "
+            f"(`{Path(cfg.feedback_validation_file).name}`)\n"
+        )
+    return lines
+
+
+def _kind_table(results: dict) -> str:
+    """A "BLEU by kind" table of the validation rows (empty when the results have none)."""
+    kinds = [k for k in (*KINDS, OTHER_KIND) if f"eval_bleu_{k}" in results]
+    if not kinds:
+        return ""
+    rows = "".join(
+        f"| {k} | {_round(results[f'eval_bleu_{k}'])} | {results.get(f'eval_rows_{k}', '?')} |\n" for k in kinds
+    )
+    return f"BLEU by kind (validation rows):\n\n| kind | sacreBLEU | rows |\n| --- | ---: | ---: |\n{rows}\n"
 
 
 def _scrub(text: str) -> str:

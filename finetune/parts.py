@@ -176,7 +176,8 @@ def check_output_dir(cfg: TrainConfig) -> None:
         )
 
 
-def make_loaders(accelerator, data, tokenizer, cfg: TrainConfig) -> tuple[DataLoader, DataLoader]:
+def make_loaders(accelerator, data, tokenizer, cfg: TrainConfig) -> tuple[DataLoader, DataLoader, DataLoader | None]:
+    """Train, validation and (when the data has the split) held-out feedback loaders."""
     pad_multiple = 8 if accelerator.mixed_precision != "no" else None
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
     # Collating hundreds of rows per step in Python would leave the GPU waiting: workers do it.
@@ -198,13 +199,18 @@ def make_loaders(accelerator, data, tokenizer, cfg: TrainConfig) -> tuple[DataLo
         **loader_kwargs,
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-    eval_dl = DataLoader(
-        data["validation"],
-        batch_size=cfg.per_device_eval_batch_size,
-        **loader_kwargs,
-        generator=torch.Generator().manual_seed(cfg.seed),
+    eval_dl, feedback_dl = (
+        DataLoader(
+            data[split],
+            batch_size=cfg.per_device_eval_batch_size,
+            **loader_kwargs,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+        if split in data
+        else None
+        for split in ("validation", "feedback")
     )
-    return train_dl, eval_dl
+    return train_dl, eval_dl, feedback_dl
 
 
 def plan_steps(train_rows: int, accelerator, cfg: TrainConfig) -> tuple[int, int, int]:

@@ -44,8 +44,9 @@ from chat.model import configure_attention, load_model, load_tokenizer, resolve
 from finetune import checkpoint as ckpt
 from finetune.config import TrainConfig
 from finetune.data import load_raw, tokenize
-from finetune.evaluate import evaluate
+from finetune.evaluate import evaluate_all, scores
 from finetune.hub import push
+from finetune.memory import resolve_batch
 from finetune.parts import (
     StopRequest,
     TrainingError,
@@ -103,6 +104,7 @@ class Run:
     scheduler: Any
     train_dl: DataLoader
     eval_dl: DataLoader
+    feedback_dl: DataLoader | None  # held-out feedback rows (--feedback_validation_file)
     train_samples: int
     eval_samples: int
     steps_per_epoch: int
@@ -191,11 +193,14 @@ def setup(cfg: TrainConfig) -> Run:
     phase("loading the model")
     # After the accelerator exists, so ZeRO-3 can partition the weights as they load.
     model = load_model(cfg.model_name_or_path, attn_implementation=configure_attention(cfg.attention))
-    train_dl, eval_dl = make_loaders(accelerator, data, tokenizer, cfg)
+    cfg.per_device_train_batch_size = resolve_batch(cfg, accelerator, model)  # 'auto': the largest that fits
+    train_dl, eval_dl, feedback_dl = make_loaders(accelerator, data, tokenizer, cfg)
     steps_per_epoch, total_steps, epochs = plan_steps(len(data["train"]), accelerator, cfg)
     optimizer, scheduler = make_optimizer(accelerator, model, cfg, total_steps)
     phase(preparing_phase(accelerator))
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    model, optimizer, train_dl, eval_dl, scheduler, *held = accelerator.prepare(
+        model, optimizer, train_dl, eval_dl, scheduler, *[dl for dl in (feedback_dl,) if dl is not None]
+    )
     ds = accelerator.state.deepspeed_plugin
     run = Run(
         cfg,
@@ -206,6 +211,7 @@ def setup(cfg: TrainConfig) -> Run:
         scheduler,
         train_dl,
         eval_dl,
+        held[0] if held else None,
         train_samples=len(data["train"]),
         eval_samples=len(data["validation"]),
         steps_per_epoch=steps_per_epoch,
@@ -411,7 +417,8 @@ def stop_here(run: Run, message: str) -> None:
 def evaluate_epoch(run: Run, epoch: int) -> bool:
     """Evaluate, write the ``eval`` event, checkpoint unless this is the last epoch. True if the run stopped."""
     cfg, acc = run.cfg, run.accelerator
-    results = evaluate(acc, run.model, run.eval_dl, run.tokenizer, cfg, zero3=run.zero_stage == 3, should_stop=run.stop)
+    zero3, loaders = run.zero_stage == 3, (run.eval_dl, run.feedback_dl)
+    results = evaluate_all(acc, run.model, loaders, run.tokenizer, cfg, zero3=zero3, should_stop=run.stop)
     if results is None:  # stop requested mid-evaluation: keep the trained steps, skip this eval
         stop_here(run, f"stop requested during evaluation: saved a checkpoint at step {run.completed}")
         return True
@@ -422,30 +429,20 @@ def evaluate_epoch(run: Run, epoch: int) -> bool:
         log.info(
             f"prompt: {sample['prompt']!r} | prediction: {sample['prediction']!r} | reference: {sample['reference']!r}"
         )
-    run.metrics.write(
-        "eval",
-        step=run.completed,
-        epoch=epoch,
-        eval_bleu=results["eval_bleu"],
-        eval_loss=results["eval_loss"],
-        train_epoch_seconds=train_seconds,
-        eval_epoch_seconds=results["eval_seconds"],
-        samples=results["samples"][:20],
-    )
+    figures = {
+        "eval_bleu": results["eval_bleu"],
+        "eval_loss": results["eval_loss"],
+        **scores(results),  # per kind, held-out feedback
+        "train_epoch_seconds": train_seconds,
+        "eval_epoch_seconds": results["eval_seconds"],
+    }
+    run.metrics.write("eval", step=run.completed, epoch=epoch, **figures, samples=results["samples"][:20])
     log.info(
         f"epoch {epoch}: BLEU {results['eval_bleu']:.2f}, eval loss {results['eval_loss']:.4f}, "
         f"train {train_seconds:.1f}s, eval {results['eval_seconds']:.1f}s"
     )
     if cfg.with_tracking:
-        acc.log(
-            {
-                "eval_bleu": results["eval_bleu"],
-                "eval_loss": results["eval_loss"],
-                "train_epoch_seconds": train_seconds,
-                "eval_epoch_seconds": results["eval_seconds"],
-            },
-            step=run.completed,
-        )
+        acc.log(figures, step=run.completed)
     if run.completed < run.total_steps:  # the last epoch's state is the final model (finish)
         checkpoint(run)
     return False
@@ -465,6 +462,7 @@ def finish(run: Run) -> dict:
         "eval_bleu": results["eval_bleu"],
         "eval_loss": results["eval_loss"],
         "eval_samples": results["eval_samples"],
+        **scores(results),
         "train_samples": run.train_samples,
         "total_steps": run.completed,
         "train_epoch_seconds": run.epoch_times,

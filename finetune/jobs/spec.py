@@ -25,7 +25,7 @@ from pathlib import Path
 from chat.layout import is_hub_id
 from chat.model import MODEL_PRESETS
 from finetune.config import TrainConfig
-from finetune.jobs.paths import local_path
+from finetune.jobs.paths import data_root, local_path
 
 STRATEGIES = ("zero2", "zero3_offload", "ddp")  # each has an accelerate config: command.CONFIG_FILES
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -172,6 +172,21 @@ def _data_file(value: str, what: str) -> str:
     return str(path)
 
 
+def _feedback(cfg: TrainConfig) -> dict:
+    """The feedback files checked and resolved like any data file, and only under the data root,
+    where the app's exports (finetune.feedback) and uploads live."""
+    changes = {}
+    for name, what in (("feedback_file", "feedback file"), ("feedback_validation_file", "feedback held-out file")):
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        path = _data_file(value.strip(), what)
+        if not Path(path).is_relative_to(data_root()):
+            raise ValueError(f"{what} {value!r} must be in the data folder ({data_root()}): export or upload it")
+        changes[name] = path
+    return changes
+
+
 @dataclass
 class JobSpec:
     """One training run: the CLI's config and how to launch it. Checked on creation; local paths
@@ -212,7 +227,7 @@ class JobSpec:
         for name in UNAVAILABLE:
             if getattr(cfg, name) != default(name):
                 raise ValueError(f"{name} writes outside the run folder: not available for runs of the app")
-        changes = {"model_name_or_path": self._model(cfg.model_name_or_path), **self._data(cfg)}
+        changes = {"model_name_or_path": self._model(cfg.model_name_or_path), **self._data(cfg), **_feedback(cfg)}
         if cfg.hub_model_id is not None:
             changes["hub_model_id"] = cfg.hub_model_id.strip() or None
             if changes["hub_model_id"] and not is_hub_id(changes["hub_model_id"], owner=True):

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from chat.layout import SAMPLE_DIR
-from chat.prompt import KINDS, build_source, fit_source, format_context, join_source, neutralize, split_source
+from chat.prompt import KINDS, build_source, fit_source, format_context, join_source, kind_of, neutralize, split_source
 
 PREFIX = "chatbot: "
 CONTEXT_KINDS = [k for k in KINDS if k != "none"]
@@ -96,6 +96,7 @@ def test_shipped_sample_rows_are_in_the_format():
             assert all(t and t == neutralize(t) for t in turns)
             kind = next((k for p, k in prefixes.items() if context_text.startswith(p)), "none")
             assert (kind == "none") == (context_text == "")
+            assert kind_of(texts) == kind
             seen.add(kind)
     assert seen == set(KINDS)
 
@@ -234,6 +235,41 @@ def test_split_source_round_trips(kind, context, n_turns):
     assert back == turns
     assert context_text == format_context(kind, context)
     assert join_source(context_text, back) == source
+
+
+# --------------------------------------------------------------------------- kind_of
+
+
+@given(
+    kind=st.sampled_from(KINDS),
+    context=st.text(min_size=1, max_size=40),
+    turns=st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=4),
+)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_kind_of_inverts_build_source(kind, context, turns):
+    assume(all(neutralize(t) for t in turns) and (kind == "none" or neutralize(context)))
+    assert kind_of(build_source(kind, context, turns)) == kind
+
+
+@pytest.mark.parametrize(
+    "turns",
+    [
+        ["topic: the moon", "nice"],  # a first turn that reads like a context is still a turn
+        ["your persona: i am a cat. </s>"],
+        ["context: sad", "ok", "domain: hotels"],
+        ["hi"],
+    ],
+)
+def test_kind_of_a_source_without_context_is_none(turns):
+    source = build_source("none", None, turns)
+    assert kind_of(source) == "none"
+    assert kind_of(PREFIX.strip()) == "none"  # a bare text is a single turn
+
+
+@pytest.mark.parametrize("context", ["my persona: x", "topic:", "your persona: no end marker"])
+def test_kind_of_refuses_a_context_no_kind_made(context):
+    with pytest.raises(ValueError, match="not a context"):
+        kind_of(join_source(context, ["hello"]))
 
 
 # --------------------------------------------------------------------------- fit_source

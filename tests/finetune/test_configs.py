@@ -317,6 +317,10 @@ def test_defaults_are_valid():
         ({"report_to": "mlflow"}, ["--report_to", "mlflow"], "report_to"),
         ({"train_file": "t.jsonl"}, ["--train_file", "t.jsonl"], "go together"),
         ({"dataset_name": None}, None, "dataset_name"),  # None cannot be typed on the command line
+        ({"feedback_ratio": 0.0}, ["--feedback_ratio", "0"], "feedback_ratio must be > 0 and <= 1"),
+        ({"feedback_ratio": 1.5}, ["--feedback_ratio", "1.5"], "feedback_ratio must be > 0 and <= 1"),
+        ({"feedback_ratio": float("nan")}, ["--feedback_ratio", "nan"], "feedback_ratio must be > 0 and <= 1"),
+        ({"feedback_validation_file": "h.jsonl"}, ["--feedback_validation_file", "h.jsonl"], "needs --feedback_file"),
         (
             {"val_min_target_length": 30, "max_target_length": 20},
             ["--val_min_target_length", "30", "--max_target_length", "20"],
@@ -335,6 +339,12 @@ def test_post_init_rejects_bad_values(kwargs, argv, needle, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_feedback_flags():
+    cfg = parse_args(["--feedback_file", "fb.jsonl", "--feedback_ratio", "1", "--feedback_validation_file", "h.jsonl"])
+    assert (cfg.feedback_file, cfg.feedback_ratio, cfg.feedback_validation_file) == ("fb.jsonl", 1.0, "h.jsonl")
+    assert (TrainConfig().feedback_file, TrainConfig().feedback_ratio) == (None, 0.5)
 
 
 def test_valid_hub_and_tracker_settings_pass():

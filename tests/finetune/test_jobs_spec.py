@@ -5,7 +5,7 @@ import dataclasses
 import re
 
 import pytest
-from jobs_helpers import OLD_SPEC, spec
+from jobs_helpers import OLD_SPEC, good_rows, spec, write_jsonl
 
 from chat.layout import ROOT
 from finetune.config import TrainConfig, parse_args
@@ -174,3 +174,28 @@ def test_old_run_spec_is_read(roots):
     assert hub["config"]["model_name_or_path"] == "facebook/blenderbot-400M-distill"
     with pytest.raises(ValueError, match="unknown launch settings: colour"):
         JobSpec.from_dict({**spec().to_dict(), "colour": "blue"})
+
+
+# --------------------------------------------------------------------------- feedback files
+
+
+def test_feedback_files_must_be_in_the_data_folder(roots, tmp_path):
+    _, uploads = roots
+    (uploads / "feedback").mkdir()
+    inside = write_jsonl(uploads / "feedback" / "train.jsonl", good_rows(3))
+    held = write_jsonl(uploads / "feedback" / "heldout.jsonl", good_rows(2))
+    made = spec(feedback_file=f" {inside} ", feedback_ratio=0.25, feedback_validation_file=str(held))
+    assert (made.config.feedback_file, made.config.feedback_validation_file) == (str(inside), str(held))
+    assert JobSpec.from_dict(made.to_dict()) == made
+    outside = write_jsonl(tmp_path / "elsewhere.jsonl", good_rows(3))
+    with pytest.raises(ValueError, match="feedback file .* is a local path outside the allowed folders"):
+        spec(feedback_file=str(outside))
+    # the sample folder is allowed for data, never as feedback
+    with pytest.raises(ValueError, match="feedback held-out file .* must be in the data folder"):
+        spec(feedback_file=str(inside), feedback_validation_file=str(ROOT / "data/sample/validation.jsonl"))
+    with pytest.raises(ValueError, match="feedback file 'nothing.jsonl': no such file"):
+        spec(feedback_file="nothing.jsonl")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        spec(feedback_file=str(write_jsonl(uploads / "fb.txt", good_rows(1))))
+    with pytest.raises(ValueError, match="needs --feedback_file"):
+        spec(feedback_validation_file=str(held))

@@ -397,3 +397,44 @@ def test_error_event_fields():
         "file": "/runs/x/final",
     }
     assert error_event(AssertionError(), cfg)["message"] == "AssertionError"
+
+
+def test_feedback_run_reports_bleu_by_kind_and_on_held_out_feedback(tiny_path, tmp_path):
+    """A run with feedback rows mixed in and a held-out part: per-kind and feedback figures in the
+    eval event, all_results.json and the model card (a few steps; 2 held-out rows over 2 processes)."""
+    from chat.layout import SAMPLE_DIR
+    from chat.prompt import kind_of
+
+    rows = [
+        {"kind": "persona", "context": "i am a pilot.", "turns": ["what do you do?"], "response": "i fly planes."},
+        {"kind": "topic", "context": "tea", "turns": ["tell me about tea"], "response": "tea is a hot drink."},
+        {"kind": "none", "context": None, "turns": ["hi", "hey", "how are you?"], "response": "great, thanks."},
+    ]
+    feedback, held = tmp_path / "feedback.jsonl", tmp_path / "heldout.jsonl"
+    feedback.write_text("".join(json.dumps({**r, "rating": "correction"}) + "\n" for r in rows * 3))
+    held.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    out = tmp_path / "run"
+    proc = launch(
+        ["--output_dir", str(out), "--n_train", "24", "--max_train_steps", "3", "--feedback_file", str(feedback)]
+        + ["--feedback_ratio", "0.5", "--feedback_validation_file", str(held)],
+        launcher=accelerate("--main_process_port", str(free_port())),  # as the app runs it: ZeRO-2, 2 processes
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ev = events(out)
+    assert ev[0]["event"] == "start" and ev[0]["train_samples"] > 24  # the feedback rows are in
+    (evaluation,) = [e for e in ev if e["event"] == "eval"]
+    validation = [json.loads(line)["texts"] for line in (SAMPLE_DIR / "validation.jsonl").read_text().splitlines()]
+    kinds = {kind_of(t) for t in validation[:16]}
+    assert len(kinds) >= 3
+    assert {k for k in evaluation if k.startswith("eval_bleu_")} == {f"eval_bleu_{k}" for k in kinds} | {
+        "eval_bleu_feedback"
+    }
+    assert sum(evaluation[f"eval_rows_{k}"] for k in kinds) == 16
+    assert evaluation["eval_rows_feedback"] == 2 and evaluation["eval_loss_feedback"] > 0
+    assert all(0 <= evaluation[f"eval_bleu_{k}"] <= 100 for k in [*kinds, "feedback"])
+    results = json.loads((out / "all_results.json").read_text())
+    figures = {k: v for k, v in evaluation.items() if k.startswith(("eval_bleu", "eval_rows", "eval_loss"))}
+    assert {k: results[k] for k in figures} == figures and len(figures) == 2 + 2 * len(kinds) + 3
+    card = (out / "final" / "README.md").read_text()
+    assert "BLEU by kind" in card and "Held-out feedback: sacreBLEU" in card and "`feedback.jsonl`" in card
+    assert all(f"| {k} | " in card for k in kinds)
