@@ -2,7 +2,8 @@
 
 The tab is a view on ``finetune.jobs.manager.RunManager``: the form becomes a
 ``finetune.jobs.spec.JobSpec`` (the CLI's own TrainConfig plus how to launch it), the buttons
-call start / stop / resume / push, and a timer redraws the latest run from its directory. So a
+call start / stop / resume / push, and a timer redraws the latest run from its directory
+(``webui.train_view``). So a
 page reload, a second viewer or a restarted app shows the same run; nothing about a run lives
 in the browser.
 
@@ -19,32 +20,30 @@ no path typed or sent by a browser reaches a run unchecked.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-import math
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import gradio as gr
-import pandas as pd
 
-from chat.layout import DEFAULT_MODEL, ROOT
+from chat.layout import DEFAULT_MODEL, DEMO_DIR, ROOT
 from finetune.config import DEFAULT_DATASET
+from finetune.feedback import FeedbackExport, FeedbackStore
 from finetune.jobs import paths
 from finetune.jobs.command import detect_gpus
 from finetune.jobs.manager import RunBusyError, RunManager
 from finetune.jobs.spec import JobSpec, app_config, make_config
-from finetune.jobs.status import RunStatus
 from finetune.jobs.uploads import ensure_room, validate_upload
-from webui.auth import AuthConfig, AuthError, require
+from webui.auth import AuthConfig, AuthError, require, who
 
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 2.0  # how often an open Train tab redraws the run
-SAMPLES_SHOWN = 5
 DATA_SOURCES = [("Shipped sample (offline)", "sample"), ("Hub dataset", "hub"), ("Uploaded file", "upload")]
 UPLOAD_TYPES = (".jsonl", ".json", ".csv", ".parquet")  # finetune.data.LOADERS
 STRATEGY_CHOICES = [("DeepSpeed ZeRO-2", "zero2"), ("ZeRO-3 + CPU offload", "zero3_offload"), ("DDP", "ddp")]
@@ -58,7 +57,8 @@ PRECISION_CHOICES = [
 # The form's inputs: TrainConfig's and JobSpec's names, plus where the data comes from. The one
 # list of them: the tab passes its components to the handlers by these names, and API clients
 # send the values in this order.
-DATA_FIELDS = ("data_source", "hub_dataset")
+# use_feedback / feedback_ratio: accepted chat feedback mixed into any of the data sources.
+DATA_FIELDS = ("data_source", "hub_dataset", "use_feedback", "feedback_ratio")
 FORM_FIELDS = (
     "model_name_or_path",
     *DATA_FIELDS,
@@ -95,6 +95,8 @@ class TrainTab:
     gpus: int = 0  # detected at start-up; 0 = CPU only
     data_root: Path = field(default_factory=paths.data_root)  # validated uploads are copied here
     incoming: Path | None = None  # where gradio puts uploaded files (None: gradio's upload folder)
+    serving: Callable[[], str] | None = None  # the chat's served model (app.py sets it), to continue from
+    feedback: FeedbackStore | None = None  # the chat's feedback store (opened on first use)
 
     @classmethod
     def create(cls, auth: AuthConfig | None = None, runs_root: Path | str | None = None) -> TrainTab:
@@ -106,6 +108,21 @@ class TrainTab:
         from gradio.utils import get_upload_folder
 
         return Path(get_upload_folder()).resolve()
+
+    def feedback_store(self) -> FeedbackStore:
+        """The feedback store the Chat tab writes to: finetune.feedback.feedback_path() under this data root."""
+        if self.feedback is None:
+            self.feedback = FeedbackStore(self.data_root / "feedback" / "feedback.sqlite3")
+        return self.feedback
+
+    def served_run(self) -> str | None:
+        """The served model's folder when it is a finished run of this tab or the demo model (else None)."""
+        if self.serving is None:
+            return None
+        served = Path(self.serving()).resolve()
+        if served == DEMO_DIR.resolve():
+            return str(DEMO_DIR)
+        return next((path for _, path in self.manager.finished_runs() if Path(path).resolve() == served), None)
 
 
 @dataclass
@@ -158,6 +175,7 @@ def base_model_choices(tab: TrainTab) -> list[tuple[str, str]]:
         (f"{DEFAULT_MODEL} (400M)", DEFAULT_MODEL),
     ]
     choices += [(f"continue from run {label}", path) for label, path in tab.manager.finished_runs()]
+    choices.append(("demo model (bundled; what the chat serves offline)", str(DEMO_DIR)))
     return choices
 
 
@@ -174,13 +192,67 @@ def default_form(tab: TrainTab) -> dict:
         "num_gpus": tab.gpus,
         "data_source": "sample",
         "hub_dataset": DEFAULT_DATASET,
+        "use_feedback": False,
+        "feedback_ratio": config.feedback_ratio,
         "hub_model_id": config.hub_model_id or "",
     }
+
+
+def controls_state(tab: TrainTab, token: str | None, profile) -> tuple[bool, str]:
+    """(may this page use the form and Start / Stop / Resume / Push, the line that says why not).
+    Only what the page shows: every handler checks the login again."""
+    if not tab.auth.enabled:
+        return False, "🔒 Training from this tab is off (see above); **Show command** still prints the command."
+    if who(tab.auth, token, profile, touch=False) is None:
+        return False, "🔒 The form and Start, Stop, Resume and Push unlock when you log in (above)."
+    return True, ""
+
+
+def feedback_toggled(tab: TrainTab, checked: bool, model: str | None) -> tuple:
+    """(the ratio slider, the base model, its learning rate) when "Add accepted chat feedback" is
+    (un)ticked: retraining on feedback starts from the served model when it is a finished run."""
+    served = tab.served_run() if checked else None
+    if served is None or served == model:
+        return gr.update(visible=bool(checked)), gr.skip(), gr.skip()
+    return gr.update(visible=True), gr.update(value=served), learning_rate_for(served)
 
 
 def learning_rate_for(model: str | None) -> float:
     """The preset's learning rate for a base model (the form follows the Base model choice)."""
     return app_config(model or "").learning_rate
+
+
+def export_feedback(tab: TrainTab) -> FeedbackExport:
+    """The accepted feedback rows exported under the data root, in a folder named after their
+    content: exporting the same rows again (each Show command, each Start) reuses that folder, so
+    the exports grow only when a trainer accepts or edits rows. FeedbackError when none are accepted."""
+    exports = tab.feedback_store().path.parent / "exports"
+    tmp = exports / f".tmp-{secrets.token_hex(4)}"
+    try:
+        done = tab.feedback_store().export(tmp)
+        digest = hashlib.sha256(done.train.read_bytes() + b"\0" + (done.heldout.read_bytes() if done.heldout else b""))
+        final = exports / f"accepted-{digest.hexdigest()[:16]}"
+        try:
+            tmp.rename(final)
+        except OSError:  # the same rows were exported before (or just now, by another page)
+            if not (final / done.train.name).is_file():
+                raise
+        heldout = final / done.heldout.name if done.heldout else None
+        return FeedbackExport(final / done.train.name, heldout, done.rows, done.heldout_rows)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _feedback(tab: TrainTab, values: Mapping) -> dict:
+    """The TrainConfig feedback fields of the form: the accepted rows exported (see export_feedback)."""
+    if not values["use_feedback"]:
+        return {}
+    exported = export_feedback(tab)
+    return {
+        "feedback_file": str(exported.train),
+        "feedback_validation_file": str(exported.heldout) if exported.heldout else None,
+        "feedback_ratio": values["feedback_ratio"],
+    }
 
 
 def _data(values: Mapping, uploads: Uploads | None) -> tuple[dict, str | None]:
@@ -214,6 +286,7 @@ def spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> J
             f"unknown: {', '.join(unknown) or '-'}"
         )
     data, split_train_file = _data(values, uploads)
+    data.update(_feedback(tab, values))
     settings = {name: value for name, value in values.items() if name not in (*DATA_FIELDS, *LAUNCH_FIELDS)}
     settings.update({name: None for name in ZERO_IS_NONE if settings[name] in (None, "", 0)})
     spec = JobSpec(
@@ -277,19 +350,34 @@ def upload_name(file, incoming: Path) -> str:
 
 def accept_upload(
     tab: TrainTab, token: str | None, profile, uploads: Uploads | None, which: str, file, source_prefix: str | None
-) -> tuple[Uploads, str]:
+) -> tuple[Uploads, str, object]:
     """Validate an uploaded train or validation file and copy it into the data root.
 
-    Returns the session's new uploads and a preview of its first rows' encoder input. A cleared
-    upload box forgets that file. Messages name the file as the user knows it (``upload_name``);
-    the copy is refused when the data root is full (``finetune.jobs.uploads.ensure_room``)."""
+    Returns the session's new uploads, a preview of its first rows' encoder input, and the upload
+    box's new value (unchanged: ``gr.skip()``). A refused file is not kept: the box is cleared
+    (None) and the reason shown instead of the preview, so nothing looks attached that is not. A
+    cleared upload box forgets that file. Messages name the file as the user knows it
+    (``upload_name``); the copy is refused when the data root is full (``ensure_room``)."""
     if which not in ("train", "validation"):
         raise ValueError(f"unknown upload {which!r}")
     uploads = Uploads(uploads.train, uploads.validation, dict(uploads.names)) if uploads else Uploads()
     if not file:
         setattr(uploads, which, None)
         uploads.names.pop(which, None)
-        return uploads, ""
+        return uploads, "", gr.skip()
+    try:
+        kept, name, preview = _copy_upload(tab, token, profile, which, file, source_prefix)
+    except gr.Error as err:
+        setattr(uploads, which, None)
+        uploads.names.pop(which, None)
+        return uploads, f"⚠️ **{err.title}:** {err.message}", None
+    setattr(uploads, which, kept)
+    uploads.names[which] = name
+    return uploads, preview, gr.skip()
+
+
+def _copy_upload(tab: TrainTab, token, profile, which: str, file, source_prefix: str | None) -> tuple[str, str, str]:
+    """(the checked copy's path, the file's name, its preview), or a gr.Error saying why not."""
     with explained("upload data"):
         require(tab.auth, token, profile, "upload data")
         incoming = Path(getattr(file, "path", file) if not isinstance(file, str) else file).resolve()
@@ -306,10 +394,8 @@ def accept_upload(
         folder.mkdir(parents=True, exist_ok=False)
         copy = folder / f"{which}{suffix}"
         shutil.copyfile(incoming, copy)
-        setattr(uploads, which, str(copy))
-        uploads.names[which] = name
         log.info("upload %s (%s): %d rows -> %s", which, name, checked["rows"], copy)
-        return uploads, preview_markdown(name, checked["rows"], checked["preview"])
+        return str(copy), name, preview_markdown(name, checked["rows"], checked["preview"])
 
 
 # --------------------------------------------------------------------------- actions
@@ -367,132 +453,12 @@ def push_run(tab: TrainTab, token: str | None, profile, repo_id: str | None, pri
         return f"⬆️ Pushed run **{latest.run_id}** to {url}"
 
 
-# --------------------------------------------------------------------------- live view
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "?"
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes} min {seconds:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min"
-
-
-def progress_bar(fraction: float, width: int = 20) -> str:
-    filled = round(max(0.0, min(1.0, fraction)) * width)
-    return "█" * filled + "░" * (width - filled)
-
-
-STATE_ICONS = {"idle": "💤", "running": "🏃", "stopping": "⏳", "stopped": "⏸️", "finished": "✅", "failed": "❌"}
-
-
-def run_markdown(status: RunStatus) -> str:
-    """State, progress, ETA, speed, GPU memory, BLEU, error and result of the run."""
-    if status.run_id is None:
-        return "💤 No run yet. Fill in the form and press **Start** (or **Show command** to run it yourself)."
-    lines = [f"{STATE_ICONS.get(status.state, '')} **Run {status.run_id}**: {status.state}"]
-    if status.total_steps:
-        lines.append(
-            f"`{progress_bar(status.progress)}` step {status.step} / {status.total_steps} ({status.progress:.0%})"
-        )
-    if status.state == "running" and (status.phase or not status.total_steps):  # before this attempt's start
-        since = status.seconds_since_launch
-        lines.append(
-            f"starting{f' ({format_duration(since)})' if since is not None else ''}: {status.phase or 'launching'}…"
-        )
-    facts = []
-    if status.state == "running" and status.eta_seconds is not None:  # no countdown while it stops
-        facts.append(f"ETA {format_duration(status.eta_seconds)}")
-    if status.samples_per_second:
-        facts.append(f"{status.samples_per_second:.1f} samples/s")
-    if status.gpu_mem_gib is not None:
-        facts.append(f"GPU memory {status.gpu_mem_gib:.1f} GiB")
-    if status.eval_bleu is not None:
-        facts.append(f"BLEU {status.eval_bleu:.2f}")
-    if facts:
-        lines.append(" · ".join(facts))
-    if status.error:
-        lines.append(f"⚠️ **Error:** {status.error}")
-    if status.state == "finished" and status.final_dir:
-        lines.append(
-            f"The model is in `{status.final_dir}`: it is in the Chat tab's **Model** list now; "
-            "**Push** below sends it to the Hub."
-        )
-    if status.state in ("stopped", "failed") and status.has_checkpoint:
-        lines.append("**Resume** continues it from its last checkpoint.")
-    if status.pushed_url:
-        lines.append(f"⬆️ Pushed to {status.pushed_url}")
-    return "\n\n".join(line for line in lines if line)
-
-
-def _points(points: list[dict], y: str) -> pd.DataFrame:
-    """A numeric frame even when empty: an empty frame of object columns makes gradio pick
-    category axes, which it keeps for the live updates (a falling loss drawn rising)."""
-    return pd.DataFrame(points, columns=["step", y]).astype({"step": "int64", y: "float64"})
-
-
-def loss_frame(status: RunStatus) -> pd.DataFrame:
-    return _points(status.loss_points, "loss")
-
-
-def bleu_frame(status: RunStatus) -> pd.DataFrame:
-    return _points(status.bleu_points, "bleu")
-
-
-def samples_frame(status: RunStatus) -> pd.DataFrame:
-    rows = [
-        {k: str(s.get(k, "")) for k in ("prompt", "prediction", "reference")} for s in status.samples[:SAMPLES_SHOWN]
-    ]
-    return pd.DataFrame(rows, columns=["prompt", "prediction", "reference"])
-
-
-def _signature(value) -> str:
-    return value.to_json() if isinstance(value, pd.DataFrame) else repr(value)
-
-
 def server_paths_hidden(text: str, tab: TrainTab) -> str:
     """``text`` with the server's absolute folders shown as the short names users know (the
     repository's own paths relative to it, ``runs/...``, ``data/uploads/...``)."""
     for folder, shown in ((tab.manager.root, "runs"), (tab.data_root, "data/uploads"), (ROOT, ".")):
         text = text.replace(f"{Path(folder).resolve()}/", f"{shown}/").replace(str(Path(folder).resolve()), shown)
     return text
-
-
-def live_view(
-    tab: TrainTab, cache: dict | None, model_updates: Sequence[Callable[[], object]] = (), visitor: bool = True
-) -> tuple:
-    """The timer's redraw: (cache, run text, loss, BLEU, samples, log tail, *model-list updates).
-
-    Only what changed since this page's last redraw is sent (gr.skip() otherwise), so plots do
-    not flicker and an open dropdown is not reset. ``model_updates`` make the updates of the
-    model lists (the Train tab's base model, the Chat tab's picker) when the finished runs change.
-    A ``visitor`` (not logged in) sees no validation rows of runs on possibly private data, and
-    nobody sees the server's absolute folders."""
-    status = tab.manager.status()
-    if visitor:
-        status = status.for_visitor()
-    values = {
-        "run": server_paths_hidden(run_markdown(status), tab),
-        "loss": loss_frame(status),
-        "bleu": bleu_frame(status),
-        "samples": samples_frame(status),
-        "log": server_paths_hidden(status.log_tail, tab),
-        "finals": tuple(path for _, path in tab.manager.finished_runs()),
-    }
-    cache = dict(cache or {})
-    changed = {}
-    for key, value in values.items():
-        signature = _signature(value)
-        changed[key] = cache.get(key) != signature
-        cache[key] = signature
-    out = [values[key] if changed[key] else gr.skip() for key in ("run", "loss", "bleu", "samples", "log")]
-    out += [make() if changed["finals"] else gr.skip() for make in model_updates]
-    return (cache, *out)
 
 
 def model_list_update(tab: TrainTab):

@@ -12,11 +12,24 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from webui import auth
+from webui import auth, review_tab
 from webui import train_handlers as handlers
+from webui import train_view as view
 from webui.train_handlers import TrainTab
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: every handler checks the login
+PLOT_HEIGHT = 260
+
+# On a phone the tab is one long column: rows of small inputs keep two per line and buttons share a
+# line (gradio stacks each on its own line below its min width), plots get shorter.
+CSS = """<style>
+@media (max-width: 640px) {
+  .train-pair, .train-pair > .form { flex-direction: row !important; flex-wrap: wrap !important; }
+  .train-pair > *, .train-pair > .form > * { flex: 1 1 40% !important; min-width: 40% !important; }
+  .train-buttons { flex-wrap: wrap !important; }
+  .train-buttons > button { flex: 1 1 40% !important; min-width: 40% !important; }
+}
+</style>"""
 
 INTRO = """### Train a model
 Fine-tune a BlenderBot on the sample, a Hub dataset or your own file. **Start** runs `accelerate launch … -m finetune`
@@ -61,7 +74,10 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         gr.LoginButton()
     gr.Markdown(handlers.hardware_note(train.gpus))
 
+    review = review_tab.build(train)  # the chat's feedback, to accept before training on it
     form = {}  # FORM_FIELDS name -> component
+    # Locked (not interactive) until a login: the page-state event below unlocks them.
+    locked = {"interactive": False}
     with gr.Accordion("New run", open=True):
         with gr.Row():
             form["model_name_or_path"] = gr.Dropdown(
@@ -72,9 +88,10 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 scale=2,
                 elem_id="train-model",
                 info="A preset, a Hub model id, or a finished run to continue from.",
+                **locked,
             )
             form["data_source"] = gr.Radio(
-                handlers.DATA_SOURCES, value=defaults["data_source"], label="Data", elem_id="train-data"
+                handlers.DATA_SOURCES, value=defaults["data_source"], label="Data", elem_id="train-data", **locked
             )
             form["hub_dataset"] = gr.Textbox(
                 defaults["hub_dataset"],
@@ -82,93 +99,142 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 max_length=200,
                 visible=False,
                 info="train/validation splits, texts/labels columns",
+                **locked,
+            )
+        with gr.Row(elem_classes="train-pair"):
+            form["use_feedback"] = gr.Checkbox(
+                defaults["use_feedback"],
+                label="Add accepted chat feedback",
+                info="the rows accepted under Feedback from the chat (above), exported at Start",
+                elem_id="train-feedback",
+                **locked,
+            )
+            form["feedback_ratio"] = gr.Slider(
+                0.05,
+                1,
+                value=defaults["feedback_ratio"],
+                step=0.05,
+                label="Share of feedback rows (1 = feedback only)",
+                visible=False,
+                elem_id="train-feedback-ratio",
+                **locked,
             )
         with gr.Row(visible=False) as upload_row:
             train_file = gr.File(
-                label="Training file (.jsonl/.json/.csv/.parquet)", file_types=list(handlers.UPLOAD_TYPES)
+                label="Training file (.jsonl/.json/.csv/.parquet)", file_types=list(handlers.UPLOAD_TYPES), **locked
             )
             val_file = gr.File(
                 label="Validation file (optional: else the last 10% of the training rows)",
                 file_types=list(handlers.UPLOAD_TYPES),
+                **locked,
             )
-        preview = gr.Markdown()
-        with gr.Row():
+        preview = gr.Markdown(elem_id="train-preview")
+        with gr.Row(elem_classes="train-pair"):
             form["n_train"] = gr.Number(
-                defaults["n_train"], precision=0, minimum=0, label="Train rows (0 = all)", elem_id="train-n-train"
-            )
-            form["n_val"] = gr.Number(
-                defaults["n_val"], precision=0, minimum=0, label="Validation rows (0 = all)", elem_id="train-n-val"
-            )
-            form["num_train_epochs"] = gr.Number(
-                defaults["num_train_epochs"], precision=0, minimum=1, label="Epochs", elem_id="train-epochs"
-            )
-            form["learning_rate"] = gr.Number(defaults["learning_rate"], minimum=0, label="Learning rate")
-        with gr.Row():
-            form["per_device_train_batch_size"] = gr.Number(
-                defaults["per_device_train_batch_size"],
-                precision=0,
-                minimum=1,
-                label="Train batch (per device)",
-                elem_id="train-batch",
-            )
-            form["per_device_eval_batch_size"] = gr.Number(
-                defaults["per_device_eval_batch_size"], precision=0, minimum=1, label="Eval batch (per device)"
-            )
-            form["max_source_length"] = gr.Number(
-                defaults["max_source_length"], precision=0, minimum=1, label="Max source tokens"
-            )
-            form["max_target_length"] = gr.Number(
-                defaults["max_target_length"], precision=0, minimum=1, label="Max target tokens"
-            )
-            form["source_prefix"] = gr.Textbox(defaults["source_prefix"], label="Source prefix", max_length=100)
-        with gr.Row():
-            form["strategy"] = gr.Radio(
-                handlers.STRATEGY_CHOICES,
-                value=defaults["strategy"],
-                label="Strategy",
-                info="On the CPU: ZeRO-2 on 2 processes",
-            )
-            form["precision"] = gr.Radio(
-                handlers.PRECISION_CHOICES,
-                value=defaults["precision"],
-                label="Precision",
-                info="GPU only; the CPU trains in fp32",
-            )
-            if train.gpus:
-                form["num_gpus"] = gr.Slider(0, train.gpus, value=defaults["num_gpus"], step=1, label="GPUs (0: CPU)")
-            else:
-                form["num_gpus"] = gr.Number(
-                    defaults["num_gpus"], precision=0, interactive=False, label="GPUs", info="none detected: the CPU"
-                )
-        with gr.Row():
-            form["checkpointing_steps"] = gr.Number(
-                defaults["checkpointing_steps"],
+                defaults["n_train"],
                 precision=0,
                 minimum=0,
-                label="Checkpoint every N steps (0 = each epoch)",
+                label="Train rows (0 = all)",
+                elem_id="train-n-train",
+                **locked,
             )
-            form["logging_steps"] = gr.Number(
-                defaults["logging_steps"],
+            form["n_val"] = gr.Number(
+                defaults["n_val"],
                 precision=0,
-                minimum=1,
-                label="Log loss every N steps",
-                elem_id="train-logging",
+                minimum=0,
+                label="Validation rows (0 = all)",
+                elem_id="train-n-val",
+                **locked,
             )
-            form["num_beams"] = gr.Number(
-                defaults["num_beams"], precision=0, minimum=1, label="Eval beams", elem_id="train-beams"
+            form["num_train_epochs"] = gr.Number(
+                defaults["num_train_epochs"], precision=0, minimum=1, label="Epochs", elem_id="train-epochs", **locked
             )
-        with gr.Row():
-            form["push_to_hub"] = gr.Checkbox(defaults["push_to_hub"], label="Push to the Hub when done")
-            form["hub_model_id"] = gr.Textbox(
-                defaults["hub_model_id"], label="Hub repo id", placeholder="user/my-chat-e", max_length=200
-            )
-            form["hub_private"] = gr.Checkbox(defaults["hub_private"], label="Private repo")
+            form["learning_rate"] = gr.Number(defaults["learning_rate"], minimum=0, label="Learning rate", **locked)
+        with gr.Accordion("More settings: batches, lengths, strategy, logging, Hub", open=False, elem_id="train-more"):
+            with gr.Row(elem_classes="train-pair"):
+                form["per_device_train_batch_size"] = gr.Number(
+                    defaults["per_device_train_batch_size"],
+                    precision=0,
+                    minimum=1,
+                    label="Train batch (per device)",
+                    elem_id="train-batch",
+                    **locked,
+                )
+                form["per_device_eval_batch_size"] = gr.Number(
+                    defaults["per_device_eval_batch_size"], precision=0, minimum=1, label="Eval batch", **locked
+                )
+                form["max_source_length"] = gr.Number(
+                    defaults["max_source_length"], precision=0, minimum=1, label="Max source tokens", **locked
+                )
+                form["max_target_length"] = gr.Number(
+                    defaults["max_target_length"], precision=0, minimum=1, label="Max target tokens", **locked
+                )
+                form["source_prefix"] = gr.Textbox(
+                    defaults["source_prefix"], label="Source prefix", max_length=100, **locked
+                )
+            with gr.Row():
+                form["strategy"] = gr.Radio(
+                    handlers.STRATEGY_CHOICES,
+                    value=defaults["strategy"],
+                    label="Strategy",
+                    info="On the CPU: ZeRO-2 on 2 processes",
+                    **locked,
+                )
+                form["precision"] = gr.Radio(
+                    handlers.PRECISION_CHOICES,
+                    value=defaults["precision"],
+                    label="Precision",
+                    info="GPU only; the CPU trains in fp32",
+                    **locked,
+                )
+                if train.gpus:
+                    form["num_gpus"] = gr.Slider(
+                        0, train.gpus, value=defaults["num_gpus"], step=1, label="GPUs (0: CPU)", **locked
+                    )
+                else:  # nothing to choose: never unlocked
+                    form["num_gpus"] = gr.Number(
+                        defaults["num_gpus"],
+                        precision=0,
+                        interactive=False,
+                        label="GPUs",
+                        info="none detected: the CPU",
+                    )
+            with gr.Row(elem_classes="train-pair"):
+                form["checkpointing_steps"] = gr.Number(
+                    defaults["checkpointing_steps"],
+                    precision=0,
+                    minimum=0,
+                    label="Checkpoint every N steps (0 = each epoch)",
+                    **locked,
+                )
+                form["logging_steps"] = gr.Number(
+                    defaults["logging_steps"],
+                    precision=0,
+                    minimum=1,
+                    label="Log loss every N steps",
+                    elem_id="train-logging",
+                    **locked,
+                )
+                form["num_beams"] = gr.Number(
+                    defaults["num_beams"], precision=0, minimum=1, label="Eval beams", elem_id="train-beams", **locked
+                )
+            with gr.Row(elem_classes="train-pair"):
+                form["push_to_hub"] = gr.Checkbox(defaults["push_to_hub"], label="Push to the Hub when done", **locked)
+                form["hub_model_id"] = gr.Textbox(
+                    defaults["hub_model_id"],
+                    label="Hub repo id",
+                    placeholder="user/my-chat-e",
+                    max_length=200,
+                    **locked,
+                )
+                form["hub_private"] = gr.Checkbox(defaults["hub_private"], label="Private repo", **locked)
     form_inputs = handlers.form_inputs(form)  # passed by name (inputs_kwargs), in FORM_FIELDS order for API clients
 
-    with gr.Row():
-        start = gr.Button("Start", variant="primary", elem_id="train-start")
-        stop = gr.Button("Stop", variant="stop", elem_id="train-stop")
-        resume = gr.Button("Resume", elem_id="train-resume")
+    lock_note = gr.Markdown(handlers.controls_state(train, None, None)[1], elem_id="train-lock-note")
+    with gr.Row(elem_classes="train-buttons"):
+        start = gr.Button("Start", variant="primary", elem_id="train-start", **locked)
+        stop = gr.Button("Stop", variant="stop", elem_id="train-stop", **locked)
+        resume = gr.Button("Resume", elem_id="train-resume", **locked)
         show = gr.Button("Show command", elem_id="train-show-command")
     action = gr.Markdown(elem_id="train-action")
     command = gr.Code(
@@ -177,27 +243,51 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     run = gr.Markdown(elem_id="train-run")
     with gr.Row():
         loss = gr.LinePlot(
-            handlers.loss_frame(handlers.RunStatus()), x="step", y="loss", title="Training loss", elem_id="train-loss"
+            view.loss_frame(view.RunStatus()),
+            x="step",
+            y="loss",
+            title="Training loss",
+            height=PLOT_HEIGHT,
+            elem_id="train-loss",
         )
-        bleu = gr.LinePlot(
-            handlers.bleu_frame(handlers.RunStatus()), x="step", y="bleu", title="Validation BLEU", elem_id="train-bleu"
+        # Points, not a line: an evaluation comes once per epoch, and a line of one point draws nothing
+        # (gradio 6's LinePlot has no point marks), so the first BLEU would stay invisible.
+        bleu = gr.ScatterPlot(
+            view.bleu_frame(view.RunStatus()),
+            x="step",
+            y="bleu",
+            title="Validation BLEU",
+            height=PLOT_HEIGHT,
+            elem_id="train-bleu",
         )
-    samples = gr.Dataframe(
-        handlers.samples_frame(handlers.RunStatus()),
-        label="Sample replies (validation)",
-        interactive=False,
-        wrap=True,
-        column_widths=["50%", "25%", "25%"],
-        elem_id="train-samples",
-    )
     log_tail = gr.Textbox(
-        label="Log (last lines)", lines=12, max_lines=12, interactive=False, autoscroll=True, elem_id="train-log"
+        label="Log (newest lines at the bottom)",
+        lines=view.LOG_LINES,
+        max_lines=view.LOG_LINES,
+        interactive=False,
+        autoscroll=True,
+        elem_id="train-log",
     )
-    with gr.Row():
-        push_repo = gr.Textbox(label="Push the finished run to", placeholder="user/my-chat-e", max_length=200, scale=3)
-        push_private = gr.Checkbox(False, label="Private repo", scale=1)
-        push = gr.Button("Push to Hub", scale=1, elem_id="train-push")
+    with gr.Accordion("Sample replies (validation)", open=False, elem_id="train-samples-panel"):
+        samples = gr.Dataframe(
+            view.samples_frame(view.RunStatus()),
+            show_label=False,
+            interactive=False,
+            wrap=True,
+            column_widths=["50%", "25%", "25%"],
+            elem_id="train-samples",
+        )
+    with gr.Accordion("Push the finished run to the Hub", open=False, elem_id="train-push-panel"):
+        with gr.Row():
+            push_repo = gr.Textbox(
+                label="Push the finished run to", placeholder="user/my-chat-e", max_length=200, scale=3, **locked
+            )
+            push_private = gr.Checkbox(False, label="Private repo", scale=1, **locked)
+            push = gr.Button("Push to Hub", scale=1, elem_id="train-push", **locked)
+    gr.HTML(CSS, elem_id="train-css", padding=False)
     timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
+    unlocked = [*(c for name, c in form.items() if name != "num_gpus" or train.gpus), train_file, val_file]
+    unlocked += [start, stop, resume, push_repo, push_private, push]
 
     # ---- events: each handler checks the login itself (train_handlers / webui.auth)
     def do_login(token, typed, request: gr.Request):
@@ -244,7 +334,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             trigger(
                 upload(which),
                 [session, uploads, file, form["source_prefix"]],
-                [uploads, preview],
+                [uploads, preview, file],
                 api_name=f"train_upload_{which}",
                 **one_at_a_time,
                 **PRIVATE,
@@ -273,6 +363,21 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         queue=False,
         **PRIVATE,
     )
+    form["use_feedback"].change(
+        lambda checked, model: handlers.feedback_toggled(train, checked, model),
+        [form["use_feedback"], form["model_name_or_path"]],
+        [form["feedback_ratio"], form["model_name_or_path"], form["learning_rate"]],
+        queue=False,
+        **PRIVATE,
+    )
+    review_tab.connect(review, train, session, form["source_prefix"])
+
+    def page_state(token: str | None, profile: gr.OAuthProfile | None):
+        # on page load and at each login / logout: what this page may use, and why not
+        allowed, why = handlers.controls_state(train, token, profile)
+        return (why, *(gr.update(interactive=allowed) for _ in unlocked))
+
+    gr.on(None, page_state, session, [lock_note, *unlocked], queue=False, show_progress="hidden", **PRIVATE)
     form["model_name_or_path"].input(
         handlers.learning_rate_for, form["model_name_or_path"], form["learning_rate"], queue=False, **PRIVATE
     )

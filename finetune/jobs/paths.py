@@ -4,7 +4,8 @@ The roots are read from the environment at call time (``PERSONA_CHAT_RUNS``,
 ``PERSONA_CHAT_DATA``), so tests and the app can point them elsewhere without re-importing.
 A model or data file given as a local path must resolve, symlinks followed, inside one of
 ``allowed_roots()``: the runs root (finished runs' final/ folders), the data root (validated
-uploads), the shipped sample, and the root of every RunManager of this process.
+uploads), the shipped sample, the bundled demo model (what the chat serves offline, so it can be
+retrained on chat feedback), and the root of every RunManager of this process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from chat.layout import ROOT, SAMPLE_DIR
+from chat.layout import DEMO_DIR, ROOT, SAMPLE_DIR
 
 RUNS_ROOT = Path("runs")  # PERSONA_CHAT_RUNS's default, relative to the working directory
 DATA_ROOT = Path("data/uploads")  # PERSONA_CHAT_DATA's default
@@ -49,7 +50,7 @@ def allow_root(root: Path) -> None:
 def allowed_roots() -> list[Path]:
     """Folders a local model or data path may resolve into (read at call time)."""
     out = []
-    for root in (runs_root(), data_root(), SAMPLE_DIR, *sorted(_MANAGER_ROOTS.copy())):
+    for root in (runs_root(), data_root(), SAMPLE_DIR, DEMO_DIR, *sorted(_MANAGER_ROOTS.copy())):
         resolved = root.expanduser().resolve()
         if resolved not in out:
             out.append(resolved)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from chat.layout import FINAL
+from chat.layout import FINAL, RESULTS_FILE
 from finetune import checkpoint as ckpt
 from finetune.config import DEFAULT_DATASET
 from finetune.jobs import process
@@ -63,6 +63,9 @@ class RunStatus:
     error: str | None = None
     final_dir: str | None = None
     eval_bleu: float | None = None
+    # The latest evaluation's BLEU per kind and on held-out chat feedback (finetune.evaluate.scores):
+    # {"persona": 31.2, ..., "feedback": 12.0}, only the parts the validation data has.
+    bleu_parts: dict = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)  # prompt / prediction / reference
     command: str = ""
     has_checkpoint: bool = False  # resume() is possible once stopped or failed
@@ -244,6 +247,7 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
         status.gpu_mem_gib = last_log.get("gpu_mem_gib")
     if last_eval:
         status.eval_bleu = last_eval.get("eval_bleu")
+        status.bleu_parts = bleu_parts(last_eval)
         status.samples = list(last_eval.get("samples") or [])
     status.log_tail = "\n".join(tail(run_dir / LOG_FILE, LOG_TAIL_LINES))
     status.has_checkpoint = bool(ckpt.list_checkpoints(run_dir))
@@ -274,6 +278,32 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
         status.state = "failed"
         status.error = _failure(run_dir, info, current)
     return status
+
+
+def bleu_parts(results: dict) -> dict:
+    """``eval_bleu_<part>`` figures of an eval event or all_results.json, as {part: bleu}."""
+    prefix = "eval_bleu_"
+    return {
+        k[len(prefix) :]: float(v)
+        for k, v in results.items()
+        if k.startswith(prefix) and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+def saved_results(folder: str | Path) -> dict:
+    """What a model folder was saved with (its all_results.json: eval_bleu, eval_bleu_<part>…); {} if none."""
+    try:
+        results = json.loads((Path(folder) / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return results if isinstance(results, dict) else {}
+
+
+def bleu_parts_text(parts: dict) -> str:
+    """``bleu_parts`` for people: "persona 30.5 · none 12.0 · held-out chat feedback 8.3" ("" if none)."""
+    kinds = [f"{k} {v:.1f}" for k, v in parts.items() if k != "feedback"]
+    held = [f"held-out chat feedback {parts['feedback']:.1f}"] if "feedback" in parts else []
+    return " · ".join(kinds + held)
 
 
 def _eta(current: list[dict], step: int, total: int) -> float | None:

@@ -181,3 +181,18 @@ def test_samples_of_runs_on_uploaded_data_are_private(tmp_path, spec, private):
     seen = status.for_visitor()  # what the web UI shows a visitor who is not logged in
     assert (seen.samples, "4111" in seen.log_tail) == (([], False) if private else (SAMPLES, True))
     assert "epoch 0: BLEU 1.00" in seen.log_tail and status.samples == SAMPLES  # the status itself is unchanged
+
+
+def test_bleu_by_kind_and_on_held_out_feedback_come_from_the_latest_evaluation(tmp_path):
+    parts = {"eval_bleu_persona": 30.5, "eval_bleu_none": 12.0, "eval_bleu_feedback": 8.25, "eval_rows_persona": 9}
+    run_dir = failed_run(
+        tmp_path,
+        events=[
+            {"event": "eval", "step": 2, "eval_bleu": 0.5, "eval_bleu_persona": 1.0},
+            {"event": "eval", "step": 4, "eval_bleu": 1.0, **parts},
+            {"event": "done", "step": 4},
+        ],
+    )
+    status = status_of(run_dir)
+    assert status.bleu_parts == {"persona": 30.5, "none": 12.0, "feedback": 8.25}  # rows counts are not BLEU
+    assert status.for_visitor().bleu_parts == status.bleu_parts

@@ -21,7 +21,7 @@ from served_app import App, Caller
 from chat.engine import DEMO_DIR
 from chat.layout import SAMPLE_DIR
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
-from webui import auth, chat_handlers, train_handlers
+from webui import auth, chat_handlers, train_handlers, train_view
 
 PASSWORD = "s3cret-for-tests"
 TIMEOUT = 120
@@ -67,9 +67,27 @@ def guarded_calls(served: App, upload: Path) -> dict:
         "train_stop": [],
         "train_resume": [],
         "train_push": ["someone/chat", False],
-        "train_upload_train": [handle_file(str(upload)), "chatbot: "],
-        "train_upload_validation": [handle_file(str(upload)), "chatbot: "],
+        "review_accept": [],  # (the selected row is server-side state)
+        "review_reject": [],
+        "review_save": ["a better reply"],
+        "review_accept_all": [],
+        "review_export": [],
     }
+
+
+def copied(served: App) -> list[Path]:
+    """Uploads copied into the data root (its feedback/ folder is the chat's feedback store)."""
+    return [p for p in served.data.glob("*") if p.name != "feedback"]
+
+
+def refused_uploads(caller: Caller, upload: Path) -> list[str]:
+    """A refused upload answers with the reason where its preview goes, and clears its box (None)."""
+    out = []
+    for which in ("train", "validation"):
+        preview, box = caller(f"train_upload_{which}", handle_file(str(upload)), "chatbot: ")
+        assert box is None
+        out.append(preview)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +113,10 @@ def test_anonymous_callers_are_refused_server_side(locked, upload_file):
     for api_name, args in guarded_calls(locked, upload_file).items():
         with pytest.raises(AppError, match="log in first"):
             caller(api_name, *args)
+    assert all("log in first" in text for text in refused_uploads(caller, upload_file))
     # Load answers in its own line under the button (not with error badges over the picker)
     assert "log in first" in caller("load_model", str(DEMO_DIR), "")
-    assert locked.tab.manager.runs() == [] and not locked.data.exists()  # nothing started, nothing copied
+    assert locked.tab.manager.runs() == [] and not copied(locked)  # nothing started, nothing copied
     assert locked.engine.current is serving
     # watching and "Show command" stay open; chatting too
     assert "--model_name_or_path tiny" in caller("train_command", *run_form(locked.tab))
@@ -135,10 +154,11 @@ def test_nothing_configured_refuses_everyone(open_app, upload_file):
     for api_name, args in guarded_calls(open_app, upload_file).items():
         with pytest.raises(AppError, match="no login is configured"):
             caller(api_name, *args)
+    assert all("no login is configured" in text for text in refused_uploads(caller, upload_file))
     serving = open_app.engine.current
     assert "no login is configured" in caller("load_model", str(DEMO_DIR), "")
     assert open_app.engine.current is serving
-    assert open_app.tab.manager.runs() == [] and not open_app.data.exists()
+    assert open_app.tab.manager.runs() == [] and not copied(open_app)
     assert caller.client.predict("hi!", "none", "", api_name="/chat").strip()
 
 
@@ -168,7 +188,7 @@ def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, uploa
     caller = Caller(locked.url)
     caller("train_login", PASSWORD)
 
-    preview = caller("train_upload_train", handle_file(str(upload_file)), "chatbot: ")
+    preview, _ = caller("train_upload_train", handle_file(str(upload_file)), "chatbot: ")
     assert "**dialogues.jsonl**: 187 rows, valid" in preview and "```text\nchatbot: " in preview
     copies = list(locked.data.rglob("train.jsonl"))
     assert len(copies) == 1 and copies[0].read_bytes() == upload_file.read_bytes()
@@ -193,7 +213,7 @@ def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, uploa
     run_text = next(v for v in shown if isinstance(v, str) and v.startswith("✅ **Run"))
     assert f"**Run {run_id}**: finished" in run_text and f"BLEU {status.eval_bleu:.2f}" in run_text
     restarted = train_handlers.TrainTab.create(auth=locked.tab.auth, runs_root=locked.runs)
-    assert f"**Run {run_id}**: finished" in train_handlers.live_view(restarted, None)[1]
+    assert f"**Run {run_id}**: finished" in train_view.live_view(restarted, None)[1]
     assert final in [spec for _, spec in chat_handlers.picker_choices(locked.runs)]
     with pytest.raises(AppError, match="no run is running"):
         caller("train_stop")

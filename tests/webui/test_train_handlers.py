@@ -7,6 +7,7 @@ tests/webui/test_app_train.py and tests/webui/test_browser.py."""
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from finetune.jobs import uploads as jobs_uploads
 from finetune.jobs.manager import RunManager
 from finetune.jobs.spec import JobSpec, app_config
 from finetune.jobs.status import RunStatus
-from webui import train_handlers
+from webui import train_handlers, train_view
 from webui import uploads as webui_uploads
 from webui.auth import AuthConfig
 
@@ -138,7 +139,7 @@ def test_spec_from_form_maps_every_field(tab):
     assert spec == JobSpec(config, strategy="zero2", precision="auto", num_gpus=0)
     # every form field is a TrainConfig or JobSpec field, or says where the data comes from
     names = {f.name for f in dataclasses.fields(TrainConfig)} | {f.name for f in dataclasses.fields(JobSpec)}
-    assert set(train_handlers.FORM_FIELDS) - names == set(train_handlers.DATA_FIELDS)
+    assert set(train_handlers.FORM_FIELDS) - names == set(train_handlers.DATA_FIELDS) - {"feedback_ratio"}
 
 
 @pytest.mark.parametrize(
@@ -201,33 +202,33 @@ def test_show_command_is_the_run_managers_command_and_needs_no_login(tab):
 
 def test_plots_get_numeric_frames_even_when_empty():
     """An empty frame of object columns made gradio draw category axes (a falling loss drawn rising)."""
-    for frame in (train_handlers.loss_frame(RunStatus()), train_handlers.bleu_frame(RunStatus())):
+    for frame in (train_view.loss_frame(RunStatus()), train_view.bleu_frame(RunStatus())):
         assert frame.empty and all(str(t) in ("int64", "float64") for t in frame.dtypes)
     status = RunStatus(
         loss_points=[{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2}], bleu_points=[{"step": 2, "bleu": 3}]
     )
-    assert list(train_handlers.loss_frame(status).dtypes.astype(str)) == ["int64", "float64"]
-    assert train_handlers.bleu_frame(status)["bleu"].tolist() == [3.0]
+    assert list(train_view.loss_frame(status).dtypes.astype(str)) == ["int64", "float64"]
+    assert train_view.bleu_frame(status)["bleu"].tolist() == [3.0]
 
 
 def test_no_eta_counts_down_while_stopping():
     status = RunStatus(run_id="r", state="stopping", step=3, total_steps=10, progress=0.3, eta_seconds=42.0)
-    assert "ETA" not in train_handlers.run_markdown(status)
-    assert "ETA 42 s" in train_handlers.run_markdown(dataclasses.replace(status, state="running"))
+    assert "ETA" not in train_view.run_markdown(status)
+    assert "ETA 42 s" in train_view.run_markdown(dataclasses.replace(status, state="running"))
 
 
 def test_run_markdown_says_what_a_start_is_doing_and_for_how_long():
     starting = RunStatus(run_id="r", state="running", phase="loading the model", launched_at=time.time() - 65.2)
-    assert "starting (1 min 05 s): loading the model…" in train_handlers.run_markdown(starting)
+    assert "starting (1 min 05 s): loading the model…" in train_view.run_markdown(starting)
     # a resumed attempt shows its checkpoint's progress and what its start is doing
     resumed = dataclasses.replace(starting, phase="restoring a checkpoint", step=8, total_steps=20, progress=0.4)
-    text = train_handlers.run_markdown(resumed)
+    text = train_view.run_markdown(resumed)
     assert "step 8 / 20" in text and "restoring a checkpoint…" in text and "ETA" not in text
     # once it trains (no phase) or has ended, no "starting", no countdown, no "Stopping"
     training = dataclasses.replace(resumed, phase=None, eta_seconds=30.0)
-    assert "starting" not in train_handlers.run_markdown(training)
+    assert "starting" not in train_view.run_markdown(training)
     for state in ("stopped", "failed", "finished"):
-        ended = train_handlers.run_markdown(dataclasses.replace(training, state=state, phase="loading data"))
+        ended = train_view.run_markdown(dataclasses.replace(training, state=state, phase="loading data"))
         assert "starting" not in ended and "ETA" not in ended and "stopping" not in ended.lower()
 
 
@@ -246,13 +247,23 @@ def test_model_choices_list_finished_runs(tab):
 # --------------------------------------------------------------------------- uploads
 
 
+def refusal(tab, token, file, prefix="", uploads=None, which="train") -> str:
+    """A refused upload: its box is cleared (None), nothing kept, and the reason shown where the preview goes."""
+    kept, message, box = train_handlers.accept_upload(tab, token, None, uploads, which, file, prefix)
+    assert box is None and getattr(kept, which) is None and which not in kept.names
+    assert message.startswith("⚠️ **Cannot upload data:** "), message
+    return message.removeprefix("⚠️ **Cannot upload data:** ")
+
+
 def test_upload_needs_a_login_and_is_validated_then_copied(tab):
     upload = write_rows(tab.incoming / "my data.jsonl", 12)
-    with pytest.raises(gr.Error, match="log in first"):
-        train_handlers.accept_upload(tab, None, None, None, "train", str(upload), "chatbot: ")
+    assert re.search("log in first", refusal(tab, None, str(upload), "chatbot: "))
     assert not tab.data_root.exists()  # nothing copied for an anonymous caller
 
-    uploads, preview = train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "chatbot: ")
+    uploads, preview, box = train_handlers.accept_upload(
+        tab, logged_in(tab), None, None, "train", str(upload), "chatbot: "
+    )
+    assert box == gr.skip()  # an accepted file stays in its box
     copy = Path(uploads.train)
     assert copy.is_relative_to(tab.data_root.resolve()) and copy.name == "train.jsonl"
     assert copy.read_bytes() == upload.read_bytes() and uploads.names == {"train": "my data.jsonl"}
@@ -264,11 +275,11 @@ def test_upload_needs_a_login_and_is_validated_then_copied(tab):
 
     val = write_rows(tab.incoming / "val.csv", 0)
     val.write_text("texts,labels\ncontext: sad  <s> hi,hello\n")
-    uploads, _ = train_handlers.accept_upload(tab, logged_in(tab), None, uploads, "validation", str(val), "")
+    uploads, *_ = train_handlers.accept_upload(tab, logged_in(tab), None, uploads, "validation", str(val), "")
     spec = train_handlers.spec_from_form(tab, form(tab, data_source="upload"), uploads)
     assert spec.config.validation_file == uploads.validation and uploads.validation.endswith("validation.csv")
     assert spec.config.train_file == uploads.train and not spec.holds_out_validation
-    cleared, preview = train_handlers.accept_upload(tab, None, None, uploads, "validation", None, "")
+    cleared, preview, _ = train_handlers.accept_upload(tab, None, None, uploads, "validation", None, "")
     assert cleared.validation is None and cleared.train == uploads.train and preview == ""
 
 
@@ -276,23 +287,16 @@ def test_bad_uploads_are_refused_with_the_reason(tab, tmp_path, monkeypatch):
     session = logged_in(tab)
     bad = tab.incoming / "bad.jsonl"
     bad.write_text(json.dumps({"texts": "x", "labels": "y"}) + "\n" + json.dumps({"texts": "x", "labels": " "}) + "\n")
-    with pytest.raises(gr.Error, match=r"bad\.jsonl: row 2: column 'labels' is empty"):
-        train_handlers.accept_upload(tab, session, None, None, "train", str(bad), "")
+    assert re.search(r"bad\.jsonl: row 2: column 'labels' is empty", refusal(tab, session, str(bad), ""))
     text = tab.incoming / "notes.txt"
     text.write_text("hello")
-    with pytest.raises(gr.Error, match="unsupported file type"):
-        train_handlers.accept_upload(tab, session, None, None, "train", str(text), "")
+    assert re.search("unsupported file type", refusal(tab, session, str(text), ""))
     outside = write_rows(tmp_path / "elsewhere.jsonl", 3)  # not in gradio's upload folder
-    with pytest.raises(gr.Error, match="not uploaded through this app"):
-        train_handlers.accept_upload(tab, session, None, None, "train", str(outside), "")
-    with pytest.raises(gr.Error, match="not uploaded through this app"):
-        train_handlers.accept_upload(
-            tab, session, None, None, "train", str(tab.incoming / ".." / "elsewhere.jsonl"), ""
-        )
+    assert re.search("not uploaded through this app", refusal(tab, session, str(outside), ""))
+    assert "not uploaded through this app" in refusal(tab, session, str(tab.incoming / ".." / "elsewhere.jsonl"))
     big = write_rows(tab.incoming / "big.jsonl", 200)
     monkeypatch.setattr(jobs_uploads, "MAX_UPLOAD_BYTES", 1000)
-    with pytest.raises(gr.Error, match="the limit is"):
-        train_handlers.accept_upload(tab, session, None, None, "train", str(big), "")
+    assert re.search("the limit is", refusal(tab, session, str(big), ""))
     assert not tab.data_root.exists()
     with pytest.raises(ValueError, match="unknown upload"):
         train_handlers.accept_upload(tab, session, None, None, "test", str(big), "")
@@ -303,16 +307,12 @@ def test_upload_refusals_name_the_users_file_not_the_servers_path(tab):
     (tab.incoming / "3f9a1c").mkdir()  # gradio keeps an upload as <upload folder>/<sha256>/<its name>
     bad = tab.incoming / "3f9a1c" / "my data.jsonl"
     bad.write_text(json.dumps({"texts": "x", "labels": "y"}) + "\n" + json.dumps({"texts": "x", "labels": " "}) + "\n")
-    with pytest.raises(gr.Error) as refused:
-        train_handlers.accept_upload(tab, session, None, None, "train", str(bad), "")
-    assert refused.value.message == "my data.jsonl: row 2: column 'labels' is empty"
+    assert refusal(tab, session, str(bad), "") == "my data.jsonl: row 2: column 'labels' is empty"
     # a FileData (gradio's payload) names the file as the browser sent it
     payload = FileData(path=str(bad), orig_name="C:\\Users\\me\\Mes données.jsonl")
-    with pytest.raises(gr.Error) as refused:
-        train_handlers.accept_upload(tab, session, None, None, "train", payload, "")
-    assert refused.value.message == "Mes données.jsonl: row 2: column 'labels' is empty"
+    assert refusal(tab, session, payload, "") == "Mes données.jsonl: row 2: column 'labels' is empty"
     good = write_rows(tab.incoming / "3f9a1c" / "tmp8x.jsonl", 3)
-    uploads, preview = train_handlers.accept_upload(
+    uploads, preview, _ = train_handlers.accept_upload(
         tab, session, None, None, "train", FileData(path=str(good), orig_name="chats.jsonl"), ""
     )
     assert uploads.names == {"train": "chats.jsonl"} and "**chats.jsonl**: 3 rows" in preview
@@ -321,9 +321,7 @@ def test_upload_refusals_name_the_users_file_not_the_servers_path(tab):
 def test_a_parquet_bomb_upload_is_refused_and_nothing_is_copied(tab):
     upload = parquet_bomb(tab.incoming / "tiny.parquet")
     assert upload.stat().st_size < 1000
-    with pytest.raises(gr.Error) as refused:
-        train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
-    assert refused.value.message == (
+    assert refusal(tab, logged_in(tab), str(upload), "") == (
         "tiny.parquet: row 268436: the rows so far hold over 512 MB of text (the limit for an upload)"
     )
     assert not tab.data_root.exists()
@@ -337,12 +335,11 @@ def test_an_upload_is_refused_when_the_data_root_is_full(tab, monkeypatch):
     monkeypatch.setattr(jobs_uploads, "MAX_DATA_ROOT_BYTES", 1000 + upload.stat().st_size - 1)
     for path in (earlier / "train.jsonl", earlier):
         os.utime(path, (time.time() - 600, time.time() - 600))
-    with pytest.raises(gr.Error, match="storage for uploads is full"):
-        train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
+    assert re.search("storage for uploads is full", refusal(tab, logged_in(tab), str(upload), ""))
     assert [p.name for p in tab.data_root.iterdir()] == [earlier.name]  # nothing copied
     for path in (earlier / "train.jsonl", earlier):  # two hours old: removed to make room
         os.utime(path, (time.time() - 7200, time.time() - 7200))
-    uploads, _ = train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
+    uploads, *_ = train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
     assert not earlier.exists() and Path(uploads.train).read_bytes() == upload.read_bytes()
 
 
@@ -473,28 +470,28 @@ def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
 def test_live_view_sends_only_changes(tab):
     calls = []
     makers = (lambda: calls.append("train") or "train-models", lambda: calls.append("chat") or "chat-models")
-    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_handlers.live_view(
+    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_view.live_view(
         tab, None, makers, visitor=False
     )
     assert run.startswith("💤 No run yet") and list(loss.columns) == ["step", "loss"] and loss.empty
     assert log_tail == "" and (train_models, chat_models) == ("train-models", "chat-models")
 
-    cache, *again = train_handlers.live_view(tab, cache, makers)
+    cache, *again = train_view.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again) and calls == ["train", "chat"]
 
     run_dir = fake_finished_run(tab)
-    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_handlers.live_view(tab, cache, makers)
+    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_view.live_view(tab, cache, makers)
     assert "**Run 20250101-000000-abcdef**: finished" in run and "step 4 / 4 (100%)" in run and "BLEU 3.25" in run
     assert f"`runs/{run_dir.name}/final`" in run and str(tab.manager.root) not in run and "Model** list" in run
     pd.testing.assert_frame_equal(loss, pd.DataFrame({"step": [1, 2, 4], "loss": [7.5, 7.0, 6.5]}))
     assert bleu.to_dict("records") == [{"step": 4, "bleu": 3.25}]
-    assert len(samples) == train_handlers.SAMPLES_SHOWN and samples.iloc[0].to_dict() == {
+    assert len(samples) == train_view.SAMPLES_SHOWN and samples.iloc[0].to_dict() == {
         "prompt": "chatbot: hi",
         "prediction": "hello",
         "reference": "hey",
     }
     assert log_tail.endswith("final model in final") and calls == ["train", "chat"] * 2
-    cache, *again = train_handlers.live_view(tab, cache, makers)
+    cache, *again = train_view.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again)
 
 
@@ -510,11 +507,11 @@ def test_visitors_do_not_see_rows_of_uploaded_data_nor_server_paths(tab):
             f"12:00:00 INFO finetune: prompt: 'secret' | prediction: 'x' | reference: 'y'\n"
             f"12:00:01 INFO finetune: final model in {run_dir / 'final'}\n"
         )
-    _, run, _, _, samples, log_tail = train_handlers.live_view(tab, None, visitor=True)
+    _, run, _, _, samples, log_tail = train_view.live_view(tab, None, visitor=True)
     assert samples.empty and "secret" not in log_tail
     assert str(tab.manager.root) not in run + log_tail and f"runs/{run_dir.name}/final" in log_tail
-    _, run, _, _, samples, log_tail = train_handlers.live_view(tab, None, visitor=False)  # the trainer sees them
-    assert len(samples) == train_handlers.SAMPLES_SHOWN and "secret" in log_tail
+    _, run, _, _, samples, log_tail = train_view.live_view(tab, None, visitor=False)  # the trainer sees them
+    assert len(samples) == train_view.SAMPLES_SHOWN and "secret" in log_tail
     assert str(tab.manager.root) not in run + log_tail
 
 
@@ -529,15 +526,15 @@ def test_run_markdown_states():
         samples_per_second=12.34,
         gpu_mem_gib=3.21,
     )
-    text = train_handlers.run_markdown(running)
+    text = train_view.run_markdown(running)
     assert "running" in text and "step 5 / 20 (25%)" in text and "ETA 1 min 15 s" in text
     assert "12.3 samples/s" in text and "GPU memory 3.2 GiB" in text
-    assert "starting: launching…" in train_handlers.run_markdown(RunStatus(run_id="r", state="running"))
-    failed = train_handlers.run_markdown(
+    assert "starting: launching…" in train_view.run_markdown(RunStatus(run_id="r", state="running"))
+    failed = train_view.run_markdown(
         RunStatus(run_id="r", state="failed", error="CUDA out of memory", has_checkpoint=True)
     )
     assert "**Error:** CUDA out of memory" in failed and "**Resume**" in failed
-    pushed = train_handlers.run_markdown(RunStatus(run_id="r", state="finished", pushed_url="https://hf.co/me/chat"))
+    pushed = train_view.run_markdown(RunStatus(run_id="r", state="finished", pushed_url="https://hf.co/me/chat"))
     assert "Pushed to https://hf.co/me/chat" in pushed
 
 
@@ -556,13 +553,13 @@ def test_pushed_event_shows_and_clears_an_earlier_push_error(tab):
     [(None, "?"), (0, "0 s"), (59.4, "59 s"), (61, "1 min 01 s"), (3725, "1 h 02 min"), (float("inf"), "?")],
 )
 def test_format_duration(seconds, text):
-    assert train_handlers.format_duration(seconds) == text
+    assert train_view.format_duration(seconds) == text
 
 
 def test_hardware_note():
     assert "needs a GPU" in train_handlers.hardware_note(0) and "tiny" in train_handlers.hardware_note(0)
     assert "2 GPUs" in train_handlers.hardware_note(2)
-    assert train_handlers.progress_bar(0.5, 10) == "█████░░░░░"
+    assert train_view.progress_bar(0.5, 10) == "█████░░░░░"
 
 
 def test_data_root_follows_the_environment(tmp_path, monkeypatch):
@@ -570,3 +567,53 @@ def test_data_root_follows_the_environment(tmp_path, monkeypatch):
     assert paths.data_root() == (tmp_path / "d").resolve() and paths.data_root() in paths.allowed_roots()
     monkeypatch.delenv("PERSONA_CHAT_DATA")
     assert paths.data_root() == Path(os.getcwd(), paths.DATA_ROOT).resolve()
+
+
+# --------------------------------------------------------------------------- issue 11's Train-tab leftovers
+
+
+def test_controls_are_locked_until_a_login(tab):
+    assert train_handlers.controls_state(tab, None, None) == (
+        False,
+        "🔒 The form and Start, Stop, Resume and Push unlock when you log in (above).",
+    )
+    assert train_handlers.controls_state(tab, "forged", None)[0] is False
+    token = logged_in(tab)
+    assert train_handlers.controls_state(tab, token, None) == (True, "")
+    tab.auth.logins.revoke(token)  # logged out
+    assert train_handlers.controls_state(tab, token, None)[0] is False
+    tab.auth = AuthConfig()  # nothing configured: locked for everyone, saying why
+    allowed, why = train_handlers.controls_state(tab, None, None)
+    assert not allowed and "off" in why and "Show command" in why
+
+
+def test_the_log_box_gets_the_newest_lines_newest_last(tab):
+    run_dir = fake_finished_run(tab)
+    (run_dir / "train.log").write_text("".join(f"line {i}\n" for i in range(100)))
+    log_tail = train_view.live_view(tab, None, visitor=False)[5]
+    assert log_tail.splitlines() == [f"line {i}" for i in range(100 - train_view.LOG_LINES, 100)]
+
+
+def test_the_tab_layout_shows_what_is_possible_and_stays_short(tab):
+    from webui import train_tab
+
+    with gr.Blocks() as demo:
+        train_tab.build(tab, gr.BrowserState(None))
+    by_id = {b.elem_id: b for b in demo.blocks.values() if getattr(b, "elem_id", None)}
+    # a single BLEU point is drawn (a LinePlot draws no line of one point, and has no point marks)
+    assert isinstance(by_id["train-bleu"], gr.ScatterPlot) and isinstance(by_id["train-loss"], gr.LinePlot)
+    # before a login (the page-state event unlocks them) the actions and the form are locked
+    for elem_id in ("train-start", "train-stop", "train-resume", "train-push", "train-model", "train-batch"):
+        assert by_id[elem_id].interactive is False, elem_id
+    assert by_id["train-show-command"].interactive is not False  # open to everyone
+    assert by_id["train-log"].max_lines == train_view.LOG_LINES and by_id["train-log"].autoscroll
+    # secondary panels start collapsed (the tab on a phone: 5,070 px before, ~3,400 px after)
+    for elem_id in ("review", "train-more", "train-samples-panel", "train-push-panel"):
+        assert by_id[elem_id].open is False, elem_id
+
+
+def test_run_markdown_shows_bleu_by_kind_and_on_held_out_feedback():
+    status = RunStatus(run_id="r", state="finished", eval_bleu=20.0, bleu_parts={"persona": 30.46, "feedback": 8.25})
+    text = train_view.run_markdown(status)
+    assert "BLEU 20.00" in text and "BLEU by kind: persona 30.5 · held-out chat feedback 8.2" in text
+    assert "by kind" not in train_view.run_markdown(dataclasses.replace(status, bleu_parts={}))

@@ -1,0 +1,127 @@
+"""The Train tab's "Feedback from the chat" panel: review the chat's ratings and corrections.
+
+Layout and wiring only; what the controls do is in ``webui.review_handlers`` (each checks the
+login itself). ``build`` lays the panel out where it is called; ``connect`` wires its events once
+the form's source prefix exists (the encoder text shown uses it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from webui import review_handlers as handlers
+from webui.train_handlers import TrainTab
+from webui.uploads import upload_folder
+
+PRIVATE = {"api_visibility": "private"}  # not a security boundary: every handler checks the login
+
+HELP = """Every 👍, 👎 and ✏️ correction in the chat waits here as a **pending** row. Select a row to see exactly what
+the model reads, fix the response if needed, then **Accept** it (only accepted likes and corrections are trained on:
+tick **Add accepted chat feedback** under **New run**) or **Reject** it."""
+
+
+@dataclass
+class ReviewParts:
+    panel: gr.Accordion
+    counts: gr.Markdown
+    status: gr.Radio
+    refresh: gr.Button
+    table: gr.Dataframe
+    selected: gr.State  # the selected row's id
+    newest: gr.State  # the newest pending id this page counted (Accept all stops there)
+    detail: gr.Markdown
+    response: gr.Textbox
+    accept: gr.Button
+    reject: gr.Button
+    save: gr.Button
+    accept_all: gr.Button
+    export: gr.Button
+    download: gr.File
+    note: gr.Markdown
+
+
+def build(train: TrainTab) -> ReviewParts:
+    label, _ = handlers.counts_text(train)
+    with gr.Accordion(label, open=False, elem_id="review") as panel:
+        gr.Markdown(HELP)
+        counts = gr.Markdown(elem_id="review-counts")
+        with gr.Row():
+            status = gr.Radio(handlers.FILTERS, value="pending", label="Show", scale=3, elem_id="review-filter")
+            refresh = gr.Button("Refresh", scale=1, elem_id="review-refresh")
+        table = gr.Dataframe(
+            handlers.rows_frame([]),
+            interactive=False,
+            wrap=True,
+            max_height=360,
+            label="Rows (newest first): select one",
+            elem_id="review-rows",
+        )
+        selected, newest = gr.State(None), gr.State(0)
+        detail = gr.Markdown(elem_id="review-detail")
+        response = gr.Textbox(
+            label="Response: what the bot should say", lines=2, max_length=1000, elem_id="review-response"
+        )
+        with gr.Row(elem_classes="train-buttons"):
+            accept = gr.Button("Accept", variant="primary", elem_id="review-accept")
+            reject = gr.Button("Reject", variant="stop", elem_id="review-reject")
+            save = gr.Button("Save edit", elem_id="review-save")
+        with gr.Row(elem_classes="train-buttons"):
+            accept_all = gr.Button("Accept all pending", elem_id="review-accept-all")
+            export = gr.Button("Export accepted (.jsonl)", elem_id="review-export")
+        download = gr.File(label="Export", visible=False, interactive=False, elem_id="review-download")
+        note = gr.Markdown(elem_id="review-note")
+    return ReviewParts(
+        panel, counts, status, refresh, table, selected, newest, detail, response, accept, reject, save, accept_all,
+        export, download, note,
+    )  # fmt: skip
+
+
+def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, source_prefix: gr.Textbox) -> None:
+    """The panel's events: a redraw when it opens, on Refresh, a filter change and after each action."""
+
+    def redraw(token: str | None, profile: gr.OAuthProfile | None, status):
+        label, counts, rows = handlers.refresh(train, token, profile, status)
+        newest = handlers.newest_pending(train)
+        pending = train.feedback_store().counts()["pending"]
+        return label, counts, rows, newest, gr.update(value=f"Accept all pending ({pending})")
+
+    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, evt: gr.SelectData):
+        row_id = (evt.row_value or [None])[0]
+        return handlers.details(train, token, profile, row_id, prefix)
+
+    def mark(status):
+        def handler(token: str | None, profile: gr.OAuthProfile | None, row_id):
+            return handlers.set_status(train, token, profile, row_id, status)
+
+        return handler
+
+    def save(token: str | None, profile: gr.OAuthProfile | None, row_id, response):
+        return handlers.save_edit(train, token, profile, row_id, response)
+
+    def accept_all(token: str | None, profile: gr.OAuthProfile | None, up_to):
+        return handlers.accept_all(train, token, profile, up_to)
+
+    def export(token: str | None, profile: gr.OAuthProfile | None):
+        return gr.update(value=handlers.export_file(train, token, profile, upload_folder()), visible=True)
+
+    view = [parts.panel, parts.counts, parts.table, parts.newest, parts.accept_all]
+    quick = {"queue": False, "show_progress": "hidden", **PRIVATE}
+    triggers = ((parts.panel.expand, None), (parts.refresh.click, "review_refresh"), (parts.status.change, None))
+    for trigger, name in triggers:
+        trigger(redraw, [session, parts.status], view, api_name=name, **quick)
+    parts.table.select(
+        select, [session, source_prefix], [parts.selected, parts.detail, parts.response], api_name="review_row", **quick
+    )
+    one = {"concurrency_limit": 1, "concurrency_id": "review", **PRIVATE}  # one review change at a time
+    row = [session, parts.selected]
+    events = [
+        parts.accept.click(mark("accepted"), row, parts.note, api_name="review_accept", **one),
+        parts.reject.click(mark("rejected"), row, parts.note, api_name="review_reject", **one),
+        parts.save.click(save, [*row, parts.response], parts.note, api_name="review_save", **one),
+        parts.accept_all.click(accept_all, [session, parts.newest], parts.note, api_name="review_accept_all", **one),
+    ]
+    for event in events:
+        event.success(redraw, [session, parts.status], view, **quick)
+    parts.export.click(export, session, parts.download, api_name="review_export", **one)
