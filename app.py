@@ -1,7 +1,8 @@
 """Chat-E: the persona-chat web app (``python app.py``; also a Hugging Face Space's app file).
 
 Tabs: **Chat** (webui/chat_tab.py: talk to the served checkpoint as a persona / emotion / task
-goal / topic / no context, pick the served model) and **Train** (webui/train_tab.py: start,
+goal / topic / no context, pick the served model), **Compare** (webui/compare_tab.py: the same
+message to two models side by side, votes and win rates) and **Train** (webui/train_tab.py: start,
 watch, stop, resume and push runs of finetune.jobs). Public API:
 ``Client(url).predict(message, kind, context, api_name="/chat")`` (README, "API"). Every other
 endpoint is private, and those that change something check the login themselves (webui/auth.py).
@@ -19,7 +20,7 @@ import gradio as gr
 
 from chat.engine import ChatEngine
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
-from webui import auth, chat_handlers, chat_tab, train_handlers, train_tab
+from webui import auth, chat_handlers, chat_tab, compare_tab, train_handlers, train_tab, train_view
 from webui import uploads as web_uploads
 
 log = logging.getLogger("app")
@@ -46,6 +47,7 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
     """The whole app around ``engine`` (queue configured, not launched). ``train`` is the Train
     tab's runs root, login settings and hardware (default: from the environment)."""
     train = train or train_handlers.TrainTab.create()
+    train.serving = lambda: engine.current.name  # the Train tab offers the served run to continue from
     # delete_cache: gradio removes the files this process received after 30 min (the cleaner thread,
     # started with the server, also caps the folder's size and removes the app's unused copies).
     # The look (theme, CSS, the page's script) belongs to the app, so it is given here and not to
@@ -70,6 +72,8 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
         with gr.Tabs():
             with gr.Tab("Chat") as chat_page:
                 chat = chat_tab.build(engine, train, session, status)
+            with gr.Tab("Compare") as compare_page:
+                compare = compare_tab.build(engine, train, session, compare_page)
             with gr.Tab("Train") as train_page:
                 tab = train_tab.build(train, session)
 
@@ -80,7 +84,7 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
         # newly finished run also appears in both model lists.
         def redraw(cache, token: str | None, profile: gr.OAuthProfile | None):
             visitor = auth.who(train.auth, token, profile, touch=False) is None
-            return train_handlers.live_view(
+            return train_view.live_view(
                 train,
                 cache,
                 (
@@ -93,7 +97,8 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
         live = [tab.cache, *tab.live, chat.picker]
         # Poll only while the Train tab is shown: a page left on the chat costs the server nothing.
         train_page.select(lambda: gr.Timer(active=True), None, tab.timer, queue=False, **PRIVATE)
-        chat_page.select(lambda: gr.Timer(active=False), None, tab.timer, queue=False, **PRIVATE)
+        for page in (chat_page, compare_page):
+            page.select(lambda: gr.Timer(active=False), None, tab.timer, queue=False, **PRIVATE)
         tab.timer.tick(redraw, [tab.cache, session], live, queue=False, show_progress="hidden", **PRIVATE)
         for event in tab.actions:  # show what an action did at once, not at the next tick
             event.success(redraw, [tab.cache, session], live, queue=False, show_progress="hidden", **PRIVATE)
@@ -110,6 +115,7 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
         demo.load(on_page_load, session, [status, tab.auth, *live], queue=False, **PRIVATE)
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=CONCURRENCY)
     demo.chat_interface = chat.chat  # for tests and for code that wires more events to the chat
+    demo.compare = compare  # the Compare tab's model slot and components (tests)
     return demo
 
 

@@ -51,6 +51,9 @@ SLOW_TESTS = {
     "test_python_app_py_without_the_hub_serves_the_demo_model_at_once",  # two app start-ups
     "test_smoke_run_measures_both_recipes",  # a CPU benchmark run
     "test_bench_smoke",
+    "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)
+    "test_32_clients_rating_at_once_each_find_their_row_exactly_once",
+    "test_compare_through_the_launched_app",  # an app start-up
 }
 
 

@@ -8,7 +8,6 @@ No ``from __future__ import annotations`` here: ``gr.api`` reads the public endp
 signature from real type hints.
 """
 
-import json
 import logging
 import math
 import os
@@ -27,21 +26,15 @@ from chat.engine import (
     GenerationSettings,
     InputError,
 )
-from chat.layout import DEFAULT_MODEL, DEMO_DIR, RESULTS_FILE, ROOT, is_hub_id, list_finals
+from chat.layout import DEFAULT_MODEL, DEMO_DIR, FINAL, ROOT, is_hub_id, list_finals
 from chat.prompt import KINDS
 from finetune.jobs.paths import runs_root
+from finetune.jobs.status import bleu_parts, bleu_parts_text, saved_results
 
 log = logging.getLogger(__name__)
 
 # (label shown, value sent): the API and the chat function always get a value of KINDS.
-KIND_CHOICES = [
-    ("Persona", "persona"),
-    ("Emotion", "emotion"),
-    ("Task goal", "task"),
-    ("Topic", "topic"),
-    ("None", "none"),
-]
-assert tuple(value for _, value in KIND_CHOICES) == KINDS
+KIND_CHOICES = list(zip(("Persona", "Emotion", "Task goal", "Topic", "None"), KINDS, strict=True))
 
 PRESET_CHOICES = [("Fast (greedy, streams)", "fast"), ("Faithful (Chat-E: beam 10, min 20 tokens)", "faithful")]
 
@@ -370,9 +363,13 @@ def api_chat_fn(engine: ChatEngine):
 
 
 def model_label(spec: str) -> str:
-    if Path(spec).resolve() == DEMO_DIR:
+    """A model's name for visitors, never a server path: "demo model", a run's RUN/final, a folder's name."""
+    path = Path(spec)
+    if not (path.is_absolute() or path.exists()):
+        return spec  # a Hub id or a preset
+    if path.resolve() == DEMO_DIR:
         return "demo model (tiny, bundled)"
-    return spec
+    return f"{path.parent.name}/{path.name}" if path.name == FINAL else path.name
 
 
 def serving_markdown(engine: ChatEngine) -> str:
@@ -386,11 +383,14 @@ def serving_markdown(engine: ChatEngine) -> str:
 
 def model_bleu(spec: str) -> float | None:
     """The validation BLEU a local model folder was saved with (its all_results.json), if any."""
-    try:
-        bleu = json.loads((Path(spec) / RESULTS_FILE).read_text()).get("eval_bleu")
-    except (OSError, ValueError, AttributeError):
-        return None
+    bleu = saved_results(spec).get("eval_bleu")
     return float(bleu) if isinstance(bleu, (int, float)) and not isinstance(bleu, bool) else None
+
+
+def bleu_note(spec: str | None) -> str:
+    """Under the picker: the picked model's BLEU by kind (and on held-out chat feedback), if saved."""
+    parts = bleu_parts_text(bleu_parts(saved_results(spec))) if spec else ""
+    return f"{model_label(spec)}: BLEU by kind: {parts}" if parts else ""
 
 
 def _with_bleu(label: str, spec: str) -> str:
@@ -409,7 +409,8 @@ def picker_choices(
     """The model picker's (label, spec) choices: base model, demo model, finished checkpoints
     (newest first), and the model being served if it is none of those."""
     base = base or base_model()
-    choices = [(f"{base} (base model)", base), (_with_bleu(model_label(str(DEMO_DIR)), str(DEMO_DIR)), str(DEMO_DIR))]
+    demo = str(DEMO_DIR)
+    choices = [(f"{model_label(base)} (base model)", base), (_with_bleu(model_label(demo), demo), demo)]
     choices += [(_checkpoint_label(p), str(p)) for p in list_finals(root if root is not None else runs_root())]
     seen, unique = set(), []
     for label, spec in choices:
@@ -488,6 +489,7 @@ def load_model(
         engine.swap(spec)
     except Exception as err:  # noqa: BLE001 - any failure leaves the served model as it was
         log.warning("cannot load %s: %s", spec, err)
-        yield f"⚠️ Could not load {model_label(spec)}: {err}", None
+        why = str(err).replace(str(Path(spec).resolve()), model_label(spec)).replace(spec, model_label(spec))
+        yield f"⚠️ Could not load {model_label(spec)}: {why}", None
         return
     yield f"✅ Now serving {model_label(spec)}.", None

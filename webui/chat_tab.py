@@ -1,6 +1,7 @@
 """The Chat tab: who the bot is, generation settings, the chat itself, and the model picker.
 
-Layout and wiring only; what the controls do is in ``webui.chat_handlers``.
+Layout and wiring only; what the controls do is in ``webui.chat_handlers`` (the chat, the model
+picker) and ``webui.feedback_handlers`` (👍 / 👎 and ✏️ on a reply become training rows).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import gradio as gr
 
 from chat.engine import MAX_CONTEXT_CHARS, MAX_MESSAGE_CHARS, ChatEngine
 from chat.prompt import EMOTIONS
-from webui import auth, chat_handlers
+from webui import auth, chat_handlers, feedback_handlers
 from webui.train_handlers import TrainTab
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: handlers that change things check the login
@@ -111,10 +112,21 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                 max_new_tokens = gr.Slider(1, 128, value=max_new0, step=1, label="Max new tokens")
                 seed = gr.Number(0, precision=0, minimum=0, maximum=chat_handlers.SEED_MAX, label="Seed (0 = random)")
             meter = gr.Markdown(chat_handlers.meter_text(None), elem_id="token-meter")
+        # Per bot message index: the model, kind and context that wrote it (feedback_handlers.chat_fn),
+        # so a rating records them as they were, whatever is served or typed when it is given.
+        replies = gr.State({})
         with chat_column:
             chat = gr.ChatInterface(
-                chat_handlers.chat_fn(engine),
-                chatbot=gr.Chatbot(label="Chat-E", height=460, placeholder=PLACEHOLDER, elem_id="chat-log"),
+                feedback_handlers.chat_fn(engine),
+                # editable="all" and the like event show ✏️ and 👍 / 👎 on the messages.
+                chatbot=gr.Chatbot(
+                    label="Chat-E",
+                    height=460,
+                    placeholder=PLACEHOLDER,
+                    elem_id="chat-log",
+                    editable="all",
+                    feedback_options=("Like", "Dislike"),
+                ),
                 textbox=gr.Textbox(
                     placeholder="Type a message…",
                     label="Message",  # the box's accessible name (its label is not shown)
@@ -124,15 +136,28 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                     stop_btn=True,
                     elem_id="chat-input",
                 ),
-                additional_inputs=[kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed],
-                additional_outputs=[meter],
+                additional_inputs=[
+                    kind,
+                    context,
+                    preset,
+                    beams,
+                    sample,
+                    temperature,
+                    top_p,
+                    max_new_tokens,
+                    seed,
+                    replies,
+                ],
+                additional_outputs=[meter, replies],
                 # Messages only: shown as buttons in the empty chat, labelled with their kind; a
                 # click sends it (the kind and context are set by pick_example below).
                 examples=[[message] for message, _, _ in chat_handlers.EXAMPLES],
                 example_labels=chat_handlers.EXAMPLE_LABELS,
                 run_examples_on_click=True,
                 cache_examples=False,  # Spaces would otherwise run every example at start-up
-                editable=True,
+                # Not ChatInterface's own editing: it resends any edited message as the user's. The
+                # chatbot's edit event is wired below (a bot reply edited is a correction).
+                editable=False,
                 save_history=True,  # in the browser's local storage: stays with its user
                 fill_height=False,
                 # The UI's own endpoint (history kept in the session, returns reply and meter) is
@@ -140,7 +165,9 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                 api_name="chat_ui",
                 api_visibility="private",
             )
+            note = gr.Markdown(feedback_handlers.HINT, elem_id="feedback-note")
     picker = _model_panel(engine, train, session, status)
+    _feedback_events(chat, train, session, replies, note)
 
     kind.change(chat_handlers.context_visibility, kind, [context, emotion], queue=False, **PRIVATE)
     kind.input(chat_handlers.switch_context, [contexts, kind, context], [context, contexts], queue=False, **PRIVATE)
@@ -161,14 +188,60 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
     chat.chatbot.example_select(
         pick_example, [contexts, context], [kind, context, contexts], queue=False, show_progress="hidden", **PRIVATE
     )
-    # A new chat (or a saved one) has no last reply to measure. Saved chats keep only the
-    # messages: ChatInterface gives no event to store who the bot was with each of them.
+    # A new chat (or a saved one) has no last reply to measure, nor replies of this visit to rate.
+    # Saved chats keep only the messages: ChatInterface gives no event to store who the bot was
+    # with each of them.
     for trigger in (chat.new_chat_button.click, chat.chat_history_dataset.click):
-        trigger(lambda: chat_handlers.meter_text(None), None, meter, queue=False, show_progress="hidden", **PRIVATE)
+        trigger(
+            lambda: (chat_handlers.meter_text(None), {}, feedback_handlers.HINT),
+            None,
+            [meter, replies, note],
+            queue=False,
+            show_progress="hidden",
+            **PRIVATE,
+        )
     preset.change(
         chat_handlers.preset_values, preset, [beams, sample, temperature, top_p, max_new_tokens], queue=False, **PRIVATE
     )
     return ChatParts(chat=chat, picker=picker)
+
+
+def _feedback_events(
+    chat: gr.ChatInterface, train: TrainTab, session: gr.BrowserState, replies: gr.State, note: gr.Markdown
+) -> None:
+    """👍 / 👎 and ✏️ on the chat's messages (webui.feedback_handlers). Both read the chat's server-side
+    history (chatbot_state, what the next message is sent with) and an edit updates it too. Queued
+    (not queue=False): gr.Warning reaches the page only from a queued event."""
+
+    def on_like(
+        token: str | None, history, saved, data: gr.LikeData, request: gr.Request, profile: gr.OAuthProfile | None
+    ):
+        who = feedback_handlers.rater(train.auth, token, profile, request)
+        return feedback_handlers.like(who, history, saved, data.index, data.liked)
+
+    def on_edit(
+        token: str | None, history, saved, data: gr.EditData, request: gr.Request, profile: gr.OAuthProfile | None
+    ):
+        who = feedback_handlers.rater(train.auth, token, profile, request)
+        return feedback_handlers.edit(who, history, saved, data.index, data.value)
+
+    options = {"concurrency_id": "feedback", "show_progress": "hidden", **PRIVATE}
+    chat.chatbot.like(
+        on_like, [session, chat.chatbot_state, replies], [note, replies], api_name="rate_reply", **options
+    )
+    chat.chatbot.edit(
+        on_edit,
+        [session, chat.chatbot_state, replies],
+        [chat.chatbot, chat.chatbot_state, chat.textbox, note, replies],
+        api_name="edit_message",
+        **options,
+    ).then(  # the browser's saved copy of this chat follows the edit (as after a reply)
+        chat._save_conversation,
+        [chat.conversation_id, chat.chatbot_state, chat.saved_conversations],
+        [chat.conversation_id, chat.saved_conversations],
+        queue=False,
+        **PRIVATE,
+    )
 
 
 def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status: gr.Markdown) -> gr.Dropdown:
@@ -188,6 +261,8 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
             hub_id = gr.Textbox(
                 label="…or a Hub model id", placeholder="user/my-blenderbot-chat", scale=2, max_length=200
             )
+        # The picked model's BLEU by kind (and on held-out chat feedback), when it was saved with them.
+        scores = gr.Markdown(chat_handlers.bleu_note(picker.value), elem_id="model-bleu")
         with gr.Row():
             load = gr.Button("Load", variant="primary", elem_id="model-load")
             refresh = gr.Button("Refresh")
@@ -224,6 +299,13 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
         queue=False,
         **PRIVATE,
     )
+
+    def picked(choice: str | None) -> str:
+        # Only a listed model's results are read (the value comes from the browser).
+        listed = {spec for _, spec in chat_handlers.picker_choices(runs, current=engine.current.name)}
+        return chat_handlers.bleu_note(choice) if choice in listed else ""
+
+    picker.change(picked, picker, scores, queue=False, show_progress="hidden", **PRIVATE)
     refresh.click(
         lambda: chat_handlers.refresh_models(engine, runs),
         None,

@@ -391,7 +391,7 @@ def test_load_model_keeps_serving_on_failure(fresh_engine, tiny_path, tmp_path):
     steps = list(chat_handlers.load_model(fresh_engine, str(good), "", runs))  # no saved BLEU: no warning
     assert steps[0][0].startswith("⏳ Loading")
     assert fresh_engine.current is not before and fresh_engine.status == f"serving {good}"
-    assert steps[-1] == ("✅ Now serving " + str(good) + ".", None)
+    assert steps[-1] == ("✅ Now serving good/final.", None)  # the run's name, not the server's path
 
 
 def test_a_worse_model_needs_a_second_load(fresh_engine, tiny_path, tmp_path):
@@ -437,7 +437,7 @@ def test_blocks_wiring(engine):
     assert demo._queue.max_size == app.QUEUE_MAX_SIZE == 64
     assert demo._queue.default_concurrency_limit == app.CONCURRENCY == 8
     tabs = [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
-    assert tabs == ["Chat", "Train"]
+    assert tabs == ["Chat", "Compare", "Train"]
 
 
 def test_chat_interface_round_trip_keeps_the_dialogue(engine):
@@ -451,9 +451,13 @@ def test_chat_interface_round_trip_keeps_the_dialogue(engine):
     chat = app.build_demo(engine).chat_interface
     inputs = ["persona", "i love dogs.", "fast", *chat_handlers.preset_values("fast")[:4], 40, 0]
 
+    replies = {}  # the page's reply records (webui/feedback_handlers.py), the chat's last input and output
+
     async def send(message, history):
-        outputs = [out async for out in chat._stream_fn(message, history, *inputs)]
-        return outputs[-1]
+        nonlocal replies
+        outputs = [out async for out in chat._stream_fn(message, history, *inputs, replies)]
+        *out, replies = outputs[-1]
+        return out
 
     def browser(history):
         return chat.chatbot.preprocess(chat.chatbot.postprocess(history))
@@ -466,6 +470,8 @@ def test_chat_interface_round_trip_keeps_the_dialogue(engine):
     assert chat_handlers.is_notice(refused) and meter == gr.skip()
     reply2, history, _ = asyncio.run(send("do you have pets?", browser(history)))
     assert chat_handlers.history_to_turns(browser(history)) == ["hi there", reply, "do you have pets?", reply2]
+    # Each reply's record sits at its message's index in the history ChatInterface keeps.
+    assert {i: chat_handlers.history_to_turns(history[: i + 1])[-1] for i in replies} == {1: reply, 5: reply2}
     assert reply2 == engine.reply(Conversation("persona", "i love dogs.", ["hi there", reply]), "do you have pets?")[0]
 
 
@@ -675,4 +681,4 @@ def test_the_train_tab_polls_only_while_it_is_shown(server):
         for target, event in dep["targets"]
         if event == "select" and target in tabs.values()
     }
-    assert toggles == {"Chat", "Train"}
+    assert toggles == {"Chat", "Compare", "Train"}

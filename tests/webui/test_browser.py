@@ -84,14 +84,18 @@ def test_chat_train_and_serve_the_new_model(served, page):
     send(page, "i just got some great news!")
     assert bot_messages(page).first.inner_text().strip() == first  # the conversation stayed on the page
 
-    # ---- the Train tab refuses before a login (the server says so), then accepts the password
+    # ---- before a login the Train tab's controls are locked, saying why; the password unlocks them
     page.get_by_role("tab", name="Train").click()
-    page.locator("#train-start").click()
-    expect(page.get_by_text(re.compile("log in first")).first).to_be_visible()
-    assert served.tab.manager.runs() == []
+    expect(page.locator("#train-start")).to_be_disabled()
+    expect(page.locator("#train-model input")).to_be_disabled()
+    expect(page.locator("#train-lock-note")).to_contain_text("unlock when you log in")
+    expect(page.locator("#train-show-command")).to_be_enabled()
     fill(page, "train-password", PASSWORD)
     page.locator("#train-login").click()
     expect(page.locator("#train-auth")).to_contain_text("Logged in")
+    expect(page.locator("#train-start")).to_be_enabled()
+    expect(page.locator("#train-lock-note")).not_to_contain_text("unlock")
+    page.locator("#train-more").get_by_text("More settings").click()  # batches, logging, beams: collapsed
 
     # ---- a tiny run: 1200 rows, batch 8 on 2 processes = 75 steps, a loss point every step
     for elem_id, value in (
@@ -125,6 +129,7 @@ def test_chat_train_and_serve_the_new_model(served, page):
     expect(page.locator(f"#train-bleu {POINT}").first).to_be_attached()
     assert plotted_steps(page, "train-loss") == list(range(1, STEPS + 1))  # every step, after the last redraw
     assert plotted_steps(page, "train-bleu") == [STEPS]
+    page.locator("#train-samples-panel").get_by_text("Sample replies").click()  # collapsed at first
     expect(page.locator("#train-samples")).to_contain_text("chatbot: ")  # sample replies of the validation set
     final = served.tab.manager.status(run_id).final_dir
 
@@ -136,7 +141,13 @@ def test_chat_train_and_serve_the_new_model(served, page):
     page.locator("#model-load").click()  # it scored below the demo model: a warning, under the button
     expect(page.locator("#model-load-note")).to_contain_text("Load** again".replace("**", ""))
     page.locator("#model-load").click()
-    expect(page.locator("#serving-status")).to_contain_text(f"Serving {final}")
+    expect(page.locator("#serving-status")).to_contain_text(f"Serving {run_id}/final")  # the short label
     assert served.engine.current.name == final
     send(page, "hello again! how are you?")
+
+    # ---- logging out locks the Train tab again
+    page.get_by_role("tab", name="Train").click()
+    page.get_by_role("button", name="Log out").click()
+    expect(page.locator("#train-start")).to_be_disabled()
+    expect(page.locator("#train-lock-note")).to_contain_text("unlock when you log in")
     print(f"browser test: {time.perf_counter() - started:.1f} s, loss points seen while running: {seen}")
