@@ -32,7 +32,8 @@ THEME = gr.themes.Default().set(
     button_primary_text_color_dark="white",
 )
 
-# On a phone the chat fits the first screen: a shorter chat log, and the saved chats under it.
+# On a phone the chat fits the first screen: a shorter chat log, and the saved chats under it; the
+# Compare tab's two panes are short enough that the message box is on the first screen too.
 CSS = """
 @media (max-width: 640px) {
   #chat-log { height: 52vh !important; max-height: 52vh !important; }
@@ -40,6 +41,7 @@ CSS = """
   #chat-log .example { padding: var(--spacing-md) var(--spacing-lg); }
   #chat-log .example-text-content { margin-top: 0; }
   #chat-column .row:has(#chat-log) > .column:first-child { order: 2; }
+  #compare-a, #compare-b { height: 28vh !important; max-height: 28vh !important; }
 }
 """
 
