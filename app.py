@@ -20,7 +20,7 @@ import gradio as gr
 
 from chat.engine import ChatEngine
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
-from webui import auth, chat_handlers, chat_tab, compare_tab, train_handlers, train_tab, train_view
+from webui import auth, chat_handlers, chat_tab, compare_tab, review_handlers, train_handlers, train_tab, train_view
 from webui import uploads as web_uploads
 
 log = logging.getLogger("app")
@@ -96,7 +96,14 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
 
         live = [tab.cache, *tab.live, chat.picker]
         # Poll only while the Train tab is shown: a page left on the chat costs the server nothing.
-        train_page.select(lambda: gr.Timer(active=True), None, tab.timer, queue=False, **PRIVATE)
+        # Opening the Train tab also recounts the chat feedback waiting for review (the panel's label).
+        train_page.select(
+            lambda: (gr.Timer(active=True), review_handlers.panel_label(train)),
+            None,
+            [tab.timer, tab.review],
+            queue=False,
+            **PRIVATE,
+        )
         for page in (chat_page, compare_page):
             page.select(lambda: gr.Timer(active=False), None, tab.timer, queue=False, **PRIVATE)
         tab.timer.tick(redraw, [tab.cache, session], live, queue=False, show_progress="hidden", **PRIVATE)
@@ -109,10 +116,11 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
             return (
                 chat_handlers.serving_markdown(engine),
                 auth.login_markdown(train.auth, token, profile),
+                review_handlers.panel_label(train),
                 *redraw(None, token, profile),
             )
 
-        demo.load(on_page_load, session, [status, tab.auth, *live], queue=False, **PRIVATE)
+        demo.load(on_page_load, session, [status, tab.auth, tab.review, *live], queue=False, **PRIVATE)
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=CONCURRENCY)
     demo.chat_interface = chat.chat  # for tests and for code that wires more events to the chat
     demo.compare = compare  # the Compare tab's model slot and components (tests)

@@ -43,6 +43,7 @@ SLOW_MODULES = {
     "test_jobs_ranks.py",
     "test_app_train.py",
     "test_browser.py",
+    "test_browser_loop.py",  # issue 13's loop: chat, correct, accept, retrain, compare, vote
     "test_attacks.py",
     "test_cpu_variants.py",
     "test_upload_limits.py",

@@ -20,6 +20,7 @@ import pandas as pd
 
 from finetune.feedback import MAX_LIST, STATUSES, FeedbackRow, encoder_text
 from webui.auth import require, who
+from webui.chat_handlers import model_label
 from webui.train_handlers import TrainTab, explained
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,11 @@ def counts_text(tab: TrainTab) -> tuple[str, str]:
     counts = tab.feedback_store().counts()
     label = f"Feedback from the chat ({counts['pending']} pending)"
     return label, " · ".join(f"{counts[s]} {s}" for s in STATUSES)
+
+
+def panel_label(tab: TrainTab):
+    """The review panel's label with the live pending count (for page load and the Train tab opening)."""
+    return gr.update(label=counts_text(tab)[0])
 
 
 def _short(text: str, limit: int = CELL_CHARS) -> str:
@@ -62,7 +68,7 @@ def rows_frame(rows: list[FeedbackRow], now: float | None = None) -> pd.DataFram
                 _short(row.context, 40),
                 _short(row.turns[-1] if row.turns else ""),
                 _short(row.response),
-                _short(Path(row.model).name if row.model.startswith("/") else row.model, 40),
+                _short(model_label(row.model), 40),
                 age(now - row.created),
             ]
             for row in rows
@@ -101,7 +107,7 @@ def details(tab: TrainTab, token: str | None, profile, row_id, source_prefix: st
         text = encoder_text(row, source_prefix if source_prefix is not None else "chatbot: ")
         lines = [
             f"**Row {row.id}** · {RATING_ICONS.get(row.rating, row.rating)} · {row.status} · "
-            f"model `{row.model or '?'}`",
+            f"model `{model_label(row.model) or '?'}`",
             "The encoder reads (with the form's source prefix):",
             f"```text\n{text}\n```",
             "The bot said:" if row.original else "The bot's reply was not recorded.",

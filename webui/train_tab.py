@@ -47,6 +47,7 @@ class TrainParts:
     timer: gr.Timer
     actions: list  # start / stop / resume / push events: redraw as soon as one succeeds
     live: list  # run text, loss plot, BLEU plot, samples, log tail, base-model dropdown (live_view's order)
+    review: gr.Accordion  # the feedback review panel, whose label counts the pending rows
 
 
 def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
@@ -387,4 +388,5 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         timer=timer,
         actions=actions,
         live=[run, loss, bleu, samples, log_tail, form["model_name_or_path"]],
+        review=review.panel,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
+from chat.layout import DEMO_DIR
 from finetune.feedback import encoder_text
 from finetune.jobs.manager import RunManager
 from finetune.jobs.spec import JobSpec, app_config
@@ -175,8 +176,11 @@ def test_ticking_feedback_preselects_the_served_run(tab):
     assert tab.manager.finished_runs() == [(run_dir.name, str(final))]
     slider, model, lr = train_handlers.feedback_toggled(tab, True, "tiny")
     assert slider["visible"] and model == gr.skip()  # nothing served that is a run (no engine: tab.serving unset)
-    tab.serving = lambda: "chat/demo_model"
-    assert train_handlers.feedback_toggled(tab, True, "tiny")[1] == gr.skip()  # the demo model is no run
+    tab.serving = lambda: str(DEMO_DIR)  # the bundled demo model (served offline) can be retrained too
+    assert train_handlers.feedback_toggled(tab, True, "tiny")[1]["value"] == str(DEMO_DIR)
+    assert ("demo model (bundled; what the chat serves offline)", str(DEMO_DIR)) in train_handlers.base_model_choices(
+        tab
+    )
     tab.serving = lambda: str(final)
     slider, model, lr = train_handlers.feedback_toggled(tab, True, "tiny")
     assert model["value"] == str(final) and lr == train_handlers.learning_rate_for(str(final))
