@@ -19,8 +19,14 @@ the 400M architecture with random weights (``random-400M``): timing does not dep
 values when lengths are fixed, and a random model must not decide reply lengths, so evaluation
 forces every reply to the full 64 tokens (min = max length) in both recipes.
 
+Beside the CLI runs, ``seed compute`` (``bench/train_compute.py``) runs the seed's DeepSpeed JSON
+and optimizer on batches already on the GPU, with no loader: every ratio also has that baseline.
+
 Parts: ``train`` (samples/s, seconds per 10,000-sample epoch, peak memory, MFU, time to the
-first logged step, evaluation of 1,000 rows with the seed's generation settings), ``realistic``,
+first logged step, evaluation of 1,000 rows with the seed's generation settings; seed, seed
+compute and tuned), ``levers`` (tuned compute with one change each: DeepSpeed buckets, torch.compile
+per layer; the seed's JSON in bf16), ``auto`` (``--per_device_train_batch_size auto``: the CLI and its compute),
+``memory`` (second batch sizes for the memory model, finetune/memory.py), ``realistic``,
 ``maxbatch`` (largest micro-batch per GPU: each probe is a short run; an out-of-memory probe
 ends cleanly with the CLI's own error and the next size is tried) and ``scaling`` (1 GPU vs all).
 Results: ``OUT/results.json`` and ``OUT/results.md``.
@@ -49,7 +55,7 @@ from bench.train_runs import N_EVAL, PREFIX, Variant, run, setup_of
 log = logging.getLogger("bench.train")
 
 H200_PEAK_BF16 = 989e12  # dense bf16 tensor-core peak of one H200 (datasheet)
-PARTS = ("train", "realistic", "maxbatch", "scaling")
+PARTS = ("train", "levers", "auto", "memory", "realistic", "maxbatch", "scaling")
 N_ROWS = 34_000  # rows per data file (10 steps of 1,600 x 2 fit in one epoch); cached tokenization
 
 
@@ -145,27 +151,56 @@ def environment() -> dict:
     return {"gpus": torch.cuda.device_count(), "gpu": device_name(), **versions("accelerate", "deepspeed")}
 
 
-def plan(parts: list[str], gpus: int, batch: int, tuned_batch: int, smoke: bool) -> list[Variant]:
+def plan(
+    parts: list[str],
+    gpus: int,
+    batch: int,
+    tuned_batch: int,
+    smoke: bool,
+    strategies: tuple[str, ...] = ("zero2", "ddp"),
+) -> list[Variant]:
     """The variants the parts need, in run order (max-batch probes are run separately).
 
     The seed runs at ``batch``; tuned ZeRO-2 at ``tuned_batch`` (ZeRO-2 leaves room for it),
-    tuned DDP at ``batch`` (DDP keeps full optimizer state on every GPU, so it cannot).
+    tuned DDP at ``batch`` (DDP keeps full optimizer state on every GPU, so it cannot). Every
+    CLI seed run has its "seed compute" twin (same JSON and batch, no loader) right after it.
     """
     n = max(gpus, 1)
     steps = 4 if smoke else 10
+
+    def v(recipe: str, strategy: str, data: str, b: int | str, **kw) -> Variant:
+        return Variant(recipe, strategy, data, b, n, steps=steps, cpu=smoke, **kw)
+
     out = []
     if "train" in parts:
-        for strategy in ("zero2",) if smoke else ("zero2", "ddp"):
-            for recipe in ("seed", "tuned"):
-                b = tuned_batch if (recipe, strategy) == ("tuned", "zero2") else batch
-                out.append(
-                    Variant(recipe, strategy, "fixed", b, n, evaluate=strategy == "zero2", steps=steps, cpu=smoke)
-                )
-    if "realistic" in parts:
+        for strategy in ("zero2",) if smoke else strategies:
+            tb = tuned_batch if strategy == "zero2" else batch
+            out += [
+                v("seed", strategy, "fixed", batch, evaluate=strategy == "zero2"),
+                v("seed", strategy, "fixed", batch, mode="compute"),
+                v("tuned", strategy, "fixed", tb, evaluate=strategy == "zero2"),
+            ]
+    if "levers" in parts:  # tuned ZeRO-2 compute, one change at a time
+        if not smoke:  # (on the CPU every run is fp32 anyway)
+            out.append(v("seed", "zero2", "fixed", tuned_batch, mode="compute", dtype="bf16"))
         out += [
-            Variant(r, "zero2", "realistic", tuned_batch if r == "tuned" else batch, n, steps=steps, cpu=smoke)
-            for r in ("seed", "tuned")
+            v("tuned", "zero2", "fixed", tuned_batch, mode="compute"),
+            v("tuned", "zero2", "fixed", tuned_batch, mode="compute", bucket=5e8),
+            v("tuned", "zero2", "fixed", tuned_batch, mode="compute", compile="layers"),
         ]
+    if "auto" in parts:  # the batch finetune/memory.py picks: the CLI, and its compute with the quality check
+        out += [
+            v("tuned", "zero2", "fixed", "auto", evaluate=True),
+            v("tuned", "zero2", "fixed", "auto", mode="compute"),
+        ]
+    if "memory" in parts:  # second batch sizes, for the memory model's per-row and static terms
+        out += [
+            v("tuned", "zero2", "fixed", batch, mode="compute"),
+            v("tuned", "ddp", "fixed", max(batch // 2, 1), mode="compute"),
+            v("tuned", "ddp", "fixed", batch, mode="compute"),
+        ]
+    if "realistic" in parts:
+        out += [v(r, "zero2", "realistic", tuned_batch if r == "tuned" else batch) for r in ("seed", "tuned")]
     if "scaling" in parts and n > 1:
         out.append(Variant("tuned", "zero2", "fixed", tuned_batch, 1, steps=steps))
     return out
@@ -174,10 +209,28 @@ def plan(parts: list[str], gpus: int, batch: int, tuned_batch: int, smoke: bool)
 def estimate_max_batch(result: dict, capacity_gib: float) -> int | None:
     """Largest micro-batch a run's memory suggests: weights and optimizer state (measured before
     the first step) plus per-row activations (linear in the batch), within 97% of the GPU."""
-    if not result.get("peak_gib") or result.get("static_gib") is None:
+    batch = result.get("batch_used") or result["variant"]["batch"]
+    if not result.get("peak_gib") or result.get("static_gib") is None or not isinstance(batch, int):
         return None
-    per_row = (result["peak_gib"] - result["static_gib"]) / result["variant"]["batch"]
+    per_row = (result["peak_gib"] - result["static_gib"]) / batch
     return int((0.97 * capacity_gib - result["static_gib"]) / per_row)
+
+
+def memory_model(result: dict, capacity_gib: float) -> dict | None:
+    """finetune/memory.py's estimate for a fixed-length GPU run, next to the measured peak."""
+    from finetune import memory
+
+    v, batch = result["variant"], result.get("batch_used") or result["variant"]["batch"]
+    if v["cpu"] or v["data"] != "fixed" or not result.get("peak_gib") or not isinstance(batch, int):
+        return None
+    strategy = v["strategy"] if v["strategy"] == "zero2" else "ddp" if v["processes"] > 1 else "single"
+    setup = memory.Setup(strategy, result["precision"], v["processes"], 128, 64)
+    est = memory.estimate(memory.ModelShape.of("random-400M"), batch, setup, capacity_gib)
+    return {
+        "estimated_peak_gib": est.peak_gib,
+        "error": est.peak_gib / result["peak_gib"] - 1,
+        "estimated_max_batch": est.max_batch,
+    }
 
 
 MAX_BATCH_SETUPS = ("seed-zero2", "seed-ddp", "tuned-zero2")
@@ -233,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuned_batch", type=int, default=1600, help="Micro-batch per GPU of the tuned ZeRO-2 runs.")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke mode: tiny model, a few steps, one process.")
     parser.add_argument("--timeout", type=float, default=600, help="Seconds before one run is abandoned.")
+    parser.add_argument("--strategies", default="zero2,ddp", help="Strategies of the train part: zero2, ddp or both.")
     parser.add_argument(
         "--max_batch_setups",
         default=",".join(MAX_BATCH_SETUPS),
@@ -259,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--max_batch_setups takes a subset of {', '.join(MAX_BATCH_SETUPS)}; got {args.max_batch_setups!r}"
         )
+    strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip())
+    if not strategies or set(strategies) - {"zero2", "ddp"}:
+        parser.error(f"--strategies takes zero2, ddp or both; got {args.strategies!r}")
     reused = []
     if args.reuse:
         try:
@@ -278,15 +335,18 @@ def main(argv: list[str] | None = None) -> int:
         "data": write_data(data_dir, args.smoke),
         "runs": [],
     }
-    for v in plan(parts, env["gpus"], batch, 4 if args.smoke else args.tuned_batch, args.smoke):
+    for v in plan(parts, env["gpus"], batch, 4 if args.smoke else args.tuned_batch, args.smoke, strategies):
         report["runs"].append(run(v, data_dir, work, args.smoke, args.timeout))
         write_json(out / "results.json", report)  # partial results survive a kill
     if env["gpus"]:
         import torch
 
         capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
+        report["gpu_capacity_gib"] = capacity
         for r in report["runs"]:
             r["max_batch_estimate"] = estimate_max_batch(r, capacity)
+            if r["ok"] and (model := memory_model(r, capacity)):
+                r["memory_model"] = model
     if "maxbatch" in parts and not args.smoke:
         if reused:
             report["max_batch_starts_from"] = str(args.reuse)

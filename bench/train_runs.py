@@ -29,29 +29,46 @@ class Variant:
     recipe: str  # "seed" | "tuned"
     strategy: str  # "zero2" | "ddp"
     data: str  # "fixed" | "realistic"
-    batch: int  # micro-batch per process
+    batch: int | str  # micro-batch per process; "auto" (CLI runs): finetune/memory.py picks it
     processes: int
     evaluate: bool = False  # 1,000 rows with the seed's generation settings
     steps: int = 12
     cpu: bool = False  # smoke mode: tiny model, fp32
+    # "cli": the project's CLI, loader and all; "compute": bench/train_compute.py, the recipe's
+    # DeepSpeed JSON and optimizer on batches already on the GPU (no loader, no evaluation)
+    mode: str = "cli"
+    dtype: str | None = None  # precision other than the recipe's own (fp16 seed, bf16 tuned)
+    compile: str = "none"  # compute runs: "layers" = torch.compile of every layer
+    bucket: float | None = None  # compute runs: DeepSpeed bucket sizes (elements)
 
     @property
     def precision(self) -> str:
-        return "fp32" if self.cpu else "fp16" if self.recipe == "seed" else "bf16"
+        return "fp32" if self.cpu else self.dtype or ("fp16" if self.recipe == "seed" else "bf16")
 
     @property
     def name(self) -> str:
-        return f"{self.recipe}-{self.strategy}-{self.precision}-{self.data}-b{self.batch}-x{self.processes}"
+        recipe = f"{self.recipe}-compute" if self.mode == "compute" else self.recipe
+        extras = ("-compile" if self.compile != "none" else "") + (
+            f"-bucket{self.bucket / 1e6:g}M" if self.bucket else ""
+        )
+        return f"{recipe}-{self.strategy}-{self.precision}-{self.data}-b{self.batch}-x{self.processes}{extras}"
+
+    @property
+    def plain(self) -> bool:
+        """A CLI run of the recipe as it is (its precision, a fixed batch): what ratios pair up."""
+        return self.mode == "cli" and self.dtype is None and self.batch != "auto"
 
 
 def setup_of(result: dict) -> tuple[str, str, str, int]:
     """(recipe, strategy, data, processes) of a run's result: runs of one setup are compared."""
     v = result["variant"]
+    if v.get("mode", "cli") != "cli":
+        return f"{v['recipe']}-{v['mode']}", v["strategy"], v["data"], v["processes"]
     return v["recipe"], v["strategy"], v["data"], v["processes"]
 
 
 def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]:
-    """The exact launcher + CLI argv of one variant."""
+    """The exact launcher + CLI (or bench/train_compute.py) argv of one variant."""
     if smoke:  # CPU: one process, DeepSpeed ZeRO-2 on gloo; the seed keeps its own JSON
         launcher = ["--config_file", "configs/accelerate/cpu_zero2.yaml", "--num_processes", "1"]
         if v.recipe == "seed":
@@ -60,6 +77,20 @@ def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]
         config = {"zero2": "zero2_seed.yaml" if v.recipe == "seed" else "zero2.yaml", "ddp": "ddp.yaml"}[v.strategy]
         launcher = ["--config_file", f"configs/accelerate/{config}", "--num_processes", str(v.processes)]
         launcher += ["--mixed_precision", v.precision]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
+    if v.mode == "compute":
+        args = ["--model", "tiny" if smoke else "random-400M", "--train_file", str(data_dir / f"{v.data}_train.jsonl")]
+        args += ["--batch", str(v.batch), "--steps", str(v.steps), "--logging_steps", "1" if v.cpu else "2"]
+        args += [
+            "--pad",
+            "max" if v.recipe == "seed" else "batch",
+            "--compile",
+            v.compile,
+            "--output_dir",
+            str(out_dir),
+        ]
+        args += ["--bucket", f"{v.bucket:g}"] if v.bucket else []
+        return [*accelerate, *launcher, "-m", "bench.train_compute", *args]
     eval_batch = max(1, N_EVAL // v.processes) if v.recipe == "tuned" else 100  # the seed evaluated 100 per GPU
     flags = {
         "model_name_or_path": "tiny" if smoke else "random-400M",
@@ -87,7 +118,6 @@ def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]
     if v.recipe == "seed":
         args += ["--pad_to_max_length", "--group_by_length", "false", "--fast_ngram_blocking", "false"]
         args += ["--dataloader_num_workers", "0", "--attention", "sdpa", "--eval_attention", "sdpa"]
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
     return [*accelerate, *launcher, "-m", "finetune", *args]
 
 
@@ -109,7 +139,11 @@ def summarize(events: list[dict], launched: float, v: Variant) -> dict:
     start = next((e for e in events if e["event"] == "start"), {})
     if start.get("gpu_mem_static_gib") is not None:
         out["static_gib"] = start["gpu_mem_static_gib"]
+    if start.get("global_batch_size"):  # what 'auto' resolved to
+        out["batch_used"] = start["global_batch_size"] // max(start.get("num_processes") or 1, 1)
     evals = [e for e in events if e["event"] == "eval"]
+    if evals and evals[-1].get("eval_loss") is not None:
+        out["eval_loss"] = evals[-1]["eval_loss"]
     if v.evaluate and evals:
         out.update(eval_seconds=evals[-1]["eval_epoch_seconds"], eval_bleu=evals[-1]["eval_bleu"])
     return out

@@ -26,12 +26,15 @@ CPU_BATCH = 8  # 'auto' without a GPU: host memory is not the limit, CPU speed i
 MULTIPLE = 8  # 'auto' picks a multiple of this (tensor-core friendly; matches pad_to_multiple_of)
 STRATEGIES = ("zero2", "ddp", "single", "zero3_offload")
 
-# Calibration (H200, torch 2.11, DeepSpeed 0.19.8; docs/benchmarks.md "Memory model"):
-# measured activation bytes per row / counted bytes per row, for a model held in 16 bits by
-# DeepSpeed ("ds") and for fp32 weights under autocast (accelerate's native AMP: DDP or one
-# process), where layer norms, residuals and the loss keep fp32 copies.
-ACTIVATION_SCALE = {"ds": 0.96, "amp": 1.22, "fp32": 1.0}
-STATIC_OVERHEAD_GIB = 0.6  # buckets, workspaces, the cuBLAS handle: measured intercept minus the counted state
+# Calibration (one H200, 2026-12-01, torch 2.11, DeepSpeed 0.19.8; docs/benchmarks.md "Memory
+# model"): the measured per-row slope between two batch sizes / the counted bytes per row, for a
+# model held in 16 bits by DeepSpeed ("ds": 800 -> 1,600 rows, 56.5 -> 108.0 GiB) and for fp32
+# weights under autocast ("amp", accelerate's native AMP: 400 -> 800 rows, 38.4 -> 71.8 GiB),
+# where layer norms, residuals and the loss keep fp32 copies.
+ACTIVATION_SCALE = {"ds": 0.98, "amp": 1.27, "fp32": 1.27}
+# The measured intercepts (5.06 and 4.96 GiB) minus the counted state: workspaces, the cuBLAS handle.
+STATIC_OVERHEAD_GIB = 0.3
+FP16_EXTRA_GIB = 0.5  # DeepSpeed's fp16 loss scaling (overflow checks): seed fp16 57.0 vs bf16 56.5 GiB at 800
 # Sustained training FLOP rate per GPU (FLOPs per sample as bench/train_runs.py counts them),
 # measured by bench.train on fixed 128/64 rows; None elsewhere, so no time is guessed.
 MEASURED_FLOPS = {("H200", "ds"): 383e12, ("H200", "amp"): 310e12}
@@ -120,17 +123,22 @@ class Estimate:
 
 
 def static_bytes(shape: ModelShape, setup: Setup) -> float:
-    """Weights, gradients and optimizer state per GPU (Adam: two fp32 moments per weight)."""
+    """Weights and optimizer state per GPU at the peak (Adam: two fp32 moments per weight).
+
+    The peak comes at the start of the backward pass, when all activations are still held and
+    the gradients do not exist yet (each one appears as its activations are freed), so gradients
+    count only through the buckets DDP keeps for them; this matches the measured intercepts."""
     p, n = shape.params, setup.processes
-    if setup.strategy == "zero2":  # 16-bit weights and gradient partition, fp32 master + moments partitioned
-        per_param = 4 + (4 + 8) / n if setup.precision == "no" else 2 + (2 + 4 + 8) / n
+    extra = FP16_EXTRA_GIB * GIB if setup.precision == "fp16" and setup.family == "ds" else 0.0
+    if setup.strategy == "zero2":  # 16-bit weights; fp32 master copy and moments partitioned
+        per_param = 4 + 8 / n if setup.precision == "no" else 2 + (4 + 8) / n
     elif setup.strategy == "zero3_offload":  # state on the CPU; live 16-bit weights on the GPU
         per_param = 2 if setup.precision != "no" else 4
-    else:  # fp32 weights, gradients and moments everywhere; DDP adds its gradient buckets
-        per_param = 16 + (4 if setup.strategy == "ddp" and n > 1 else 0)
+    else:  # fp32 weights and moments everywhere; DDP adds its gradient buckets
+        per_param = 12 + (4 if setup.strategy == "ddp" and n > 1 else 0)
         if setup.precision != "no":
             per_param += 2  # autocast's 16-bit weight copies, kept for the backward pass
-    return per_param * p + STATIC_OVERHEAD_GIB * GIB
+    return per_param * p + STATIC_OVERHEAD_GIB * GIB + extra
 
 
 def activation_bytes(shape: ModelShape, setup: Setup) -> float:

@@ -45,6 +45,26 @@ def test_gpu_commands_are_the_cli_with_each_recipe(tmp_path, recipe, strategy, c
     assert cfg.per_device_eval_batch_size == (100 if seed else 500)
 
 
+def test_compute_runs_use_the_recipes_deepspeed_json_without_the_cli(tmp_path):
+    seed = command(Variant("seed", "zero2", "fixed", 800, 1, mode="compute"), tmp_path, tmp_path / "o", smoke=False)
+    launcher, args = seed[: seed.index("-m", 3)], seed[seed.index("-m", 3) + 1 :]
+    assert launcher[launcher.index("--config_file") + 1] == "configs/accelerate/zero2_seed.yaml"
+    assert args[0] == "bench.train_compute" and args[args.index("--pad") + 1] == "max"
+    assert args[args.index("--batch") + 1] == "800" and args[args.index("--compile") + 1] == "none"
+    lever = Variant("tuned", "zero2", "fixed", 1600, 1, mode="compute", compile="layers", bucket=5e8)
+    assert lever.name == "tuned-compute-zero2-bf16-fixed-b1600-x1-compile-bucket500M" and not lever.plain
+    argv = command(lever, tmp_path, tmp_path / "o", smoke=False)
+    assert argv[argv.index("--bucket") + 1] == "5e+08" and argv[argv.index("--pad") + 1] == "batch"
+    assert Variant("tuned", "zero2", "fixed", "auto", 1).name == "tuned-zero2-bf16-fixed-bauto-x1"
+    # every train-part seed run has its compute twin, at the same batch
+    planned = train_bench.plan(["train"], 1, 800, 1600, smoke=False, strategies=("zero2",))
+    assert [v.name for v in planned] == [
+        "seed-zero2-fp16-fixed-b800-x1",
+        "seed-compute-zero2-fp16-fixed-b800-x1",
+        "tuned-zero2-bf16-fixed-b1600-x1",
+    ]
+
+
 def test_max_batch_search_finds_the_largest_fitting_multiple():
     for limit in (37, 100, 800, 1234, 5000):
         tried = []
@@ -91,14 +111,20 @@ def test_smoke_run_measures_both_recipes(tmp_path, tiny_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
-    runs = {r["variant"]["recipe"]: r for r in report["runs"]}
+    runs = {r["variant"]["recipe"]: r for r in report["runs"] if r["variant"]["mode"] == "cli"}
     assert set(runs) == {"seed", "tuned"}
     for r in runs.values():
         assert r["ok"] and r["samples_per_second"] > 0 and r["eval_seconds"] > 0 and len(r["losses"]) == 4
         assert r["first_step_seconds"] > 0
+    # the seed's compute alone: its JSON, batches already on the device, the sample-data loss after
+    (compute,) = [r for r in report["runs"] if r["variant"]["mode"] == "compute"]
+    assert compute["name"] == "seed-compute-zero2-fp32-fixed-b4-x1" and compute["ok"], compute.get("error")
+    assert compute["samples_per_second"] > 0 and len(compute["losses"]) == 4 and compute["eval_loss"] > 0
     assert report["speedups"]["training samples/s, zero2, fixed"] > 0
+    assert report["speedups"]["training samples/s, zero2, fixed, tuned vs seed compute"] > 0
     table = (out / "results.md").read_text()
     assert "| seed-zero2-fp32-fixed-b4-x1 |" in table and "| tuned-zero2-fp32-fixed-b4-x1 |" in table
+    assert "| seed-compute-zero2-fp32-fixed-b4-x1 |" in table
 
 
 def test_max_batch_estimate_is_linear_in_the_batch():
