@@ -677,7 +677,7 @@ def test_the_train_tab_polls_only_while_it_is_shown(server):
     toggles = {
         by_id[target]["props"]["label"]
         for dep in config["dependencies"]
-        if dep["outputs"] == [timer["id"]]
+        if timer["id"] in dep["outputs"]
         for target, event in dep["targets"]
         if event == "select" and target in tabs.values()
     }

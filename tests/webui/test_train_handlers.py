@@ -18,7 +18,7 @@ import pytest
 from gradio.data_classes import FileData
 from hostile_files import parquet_bomb
 
-from chat.engine import DEFAULT_MODEL
+from chat.engine import DEFAULT_MODEL, DEMO_DIR
 from finetune import checkpoint as ckpt
 from finetune.config import TrainConfig
 from finetune.jobs import paths
@@ -233,12 +233,13 @@ def test_run_markdown_says_what_a_start_is_doing_and_for_how_long():
 
 
 def test_model_choices_list_finished_runs(tab):
-    assert [v for _, v in train_handlers.base_model_choices(tab)] == ["tiny", DEFAULT_MODEL]
+    # the presets, then the demo model (what the chat serves offline, so chat feedback can retrain it)
+    assert [v for _, v in train_handlers.base_model_choices(tab)] == ["tiny", DEFAULT_MODEL, str(DEMO_DIR)]
     final = tab.manager.root / "20250101-000000-abcdef" / "final"
     final.mkdir(parents=True)
     (final.parent / "run.json").write_text("{}")
     (final / "config.json").write_text("{}")
-    assert [v for _, v in train_handlers.base_model_choices(tab)][-1] == str(final)
+    assert [v for _, v in train_handlers.base_model_choices(tab)][-2] == str(final)
     # a finished run is a valid base model on the CPU
     made = train_handlers.spec_from_form(tab, form(tab, model_name_or_path=str(final)), None)
     assert made.config.model_name_or_path == str(final)
