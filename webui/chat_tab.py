@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from chat.engine import MAX_CONTEXT_CHARS, MAX_MESSAGE_CHARS, ChatEngine
-from chat.prompt import EMOTIONS
-from webui import auth, chat_handlers, feedback_handlers
+from chat.engine import MAX_MESSAGE_CHARS, ChatEngine
+from webui import auth, bot_identity, chat_handlers, feedback_handlers
 from webui.train_handlers import TrainTab
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: handlers that change things check the login
@@ -79,24 +78,8 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
     with gr.Row(elem_id="chat-row"):
         chat_column = gr.Column(scale=3, min_width=320, elem_id="chat-column")
         with gr.Column(scale=1, min_width=300, elem_id="bot-settings"):
-            kind = gr.Radio(chat_handlers.KIND_CHOICES, value="persona", label="The bot has a…")
-            label, info = chat_handlers.CONTEXT_LABELS["persona"]
-            # The context string sent with every message. For emotions it is hidden and set from
-            # the dropdown below, so the chat always gets one string.
-            context = gr.Textbox(
-                chat_handlers.CHAT_E_PERSONA, label=label, info=info, lines=2, max_lines=6, max_length=MAX_CONTEXT_CHARS
-            )
-            # Each kind's own context on this page (webui.chat_handlers.switch_context).
-            contexts = gr.State({"kind": "persona"})
-            emotion = gr.Dropdown(
-                list(EMOTIONS),
-                value=chat_handlers.KIND_DEFAULTS["emotion"],
-                allow_custom_value=True,
-                label="Emotion",
-                visible=False,
-                elem_id="context-emotion",
-                info="One of the 32 emotions the model was trained on (or type one).",
-            )
+            bot = bot_identity.build("The bot has a…", emotion_id="context-emotion")
+            kind, context, contexts = bot.kind, bot.context, bot.contexts
             preset = gr.Radio(chat_handlers.PRESET_CHOICES, value="fast", label="Preset")
             beams0, sample0, temperature0, top_p0, max_new0 = chat_handlers.preset_values("fast")
             with gr.Accordion("Generation settings", open=False):
@@ -170,17 +153,6 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
             note = gr.Markdown(feedback_handlers.HINT, elem_id="feedback-note")
     picker = _model_panel(engine, train, session, status)
     _feedback_events(chat, train, session, replies, note)
-
-    kind.change(chat_handlers.context_visibility, kind, [context, emotion], queue=False, **PRIVATE)
-    kind.input(chat_handlers.switch_context, [contexts, kind, context], [context, contexts], queue=False, **PRIVATE)
-    emotion.input(lambda value: value or "", emotion, context, queue=False, **PRIVATE)
-    context.change(
-        lambda k, c: gr.update(value=c) if k == "emotion" else gr.skip(),
-        [kind, context],
-        emotion,
-        queue=False,
-        **PRIVATE,
-    )
 
     # An example sets its kind and context before its message goes out: this runs at once, while
     # the chat's own example event first shows the message and then calls the model.

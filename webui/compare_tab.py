@@ -12,10 +12,9 @@ import gradio as gr
 import pandas as pd
 
 from chat.compare import IDLE_SECONDS, CompareSlot
-from chat.engine import MAX_CONTEXT_CHARS, MAX_MESSAGE_CHARS, ChatEngine
-from chat.prompt import EMOTIONS
+from chat.engine import MAX_MESSAGE_CHARS, ChatEngine
 from finetune.feedback import FeedbackStore, feedback_path
-from webui import chat_handlers
+from webui import bot_identity
 from webui import compare_handlers as handlers
 from webui.train_handlers import TrainTab
 
@@ -83,19 +82,8 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, page: g
         send = gr.Button("Send", variant="primary", scale=1, elem_id="compare-send")
         clear = gr.Button("New chat", scale=1)
     with gr.Row():
-        kind = gr.Radio(chat_handlers.KIND_CHOICES, value="persona", label="The bots have a…", scale=2)
-        label, info = chat_handlers.CONTEXT_LABELS["persona"]
-        context = gr.Textbox(
-            chat_handlers.CHAT_E_PERSONA, label=label, info=info, lines=2, max_lines=6, max_length=MAX_CONTEXT_CHARS
-        )
-        contexts = gr.State({"kind": "persona"})  # each kind's own context (chat_handlers.switch_context)
-        emotion = gr.Dropdown(
-            list(EMOTIONS),
-            value=chat_handlers.KIND_DEFAULTS["emotion"],
-            allow_custom_value=True,
-            label="Emotion",
-            visible=False,
-        )
+        bot = bot_identity.build("The bots have a…", kind_scale=2)  # as in the Chat tab
+        kind, context = bot.kind, bot.context
     pending = gr.State(None)  # the last reply pair to vote on (server-side: a request cannot set it)
     table = gr.Dataframe(
         pd.DataFrame(columns=handlers.TABLE_COLUMNS),
@@ -116,11 +104,6 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, page: g
             "One of A and B must be the model being served (the app holds two models at most). "
             "Choosing needs the Train tab's login; the chat above is open to everyone."
         )
-
-    # Who the bots are: as in the Chat tab (emotions from a dropdown, each kind its own context).
-    kind.change(chat_handlers.context_visibility, kind, [context, emotion], queue=False, **PRIVATE)
-    kind.input(chat_handlers.switch_context, [contexts, kind, context], [context, contexts], queue=False, **PRIVATE)
-    emotion.input(lambda value: value or "", emotion, context, queue=False, **PRIVATE)
 
     def send_both(text, bot_kind, bot_context, history_a, history_b):
         yield from handlers.send(slot, text, bot_kind, bot_context, history_a, history_b)
