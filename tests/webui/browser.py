@@ -1,6 +1,7 @@
 """What the browser tests share: Debian's chromium driven by Playwright (never a downloaded
 browser), and the marker that skips them, saying why, where either is missing."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,3 +17,18 @@ needs_browser = pytest.mark.skipif(
     reason="browser test needs Playwright (`pip install playwright`) and Debian's chromium (/usr/bin/chromium, "
     "`apt-get install chromium`); .ci/run installs both",
 )
+
+
+def screenshot_folder(tmp_path_factory, name: str) -> Path:
+    """Where a browser test keeps its screenshots: $PERSONA_CHAT_SCREENSHOTS (a CI artifact), else a
+    temporary folder."""
+    folder = Path(os.environ.get("PERSONA_CHAT_SCREENSHOTS") or tmp_path_factory.mktemp(name))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def shout(request, text: str) -> None:
+    """Print even without -s (screenshot folders and measured numbers belong in every run's output)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n{text}")

@@ -10,12 +10,10 @@ folder; the folder is printed at the end of the run.
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import pytest
-from browser import CHROMIUM, expect, needs_browser, sync_playwright
+from browser import CHROMIUM, expect, needs_browser, screenshot_folder, shout, sync_playwright
 from served_app import App
 
 from webui import auth, chat_handlers, chat_tab
@@ -35,12 +33,9 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory, request):
-    folder = Path(os.environ.get("PERSONA_CHAT_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = screenshot_folder(tmp_path_factory, "screenshots")
     yield folder
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():  # shown even without -s
-        print(f"\nchat browser screenshots: {folder}")
+    shout(request, f"chat browser screenshots: {folder}")
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,13 @@ README's images (docs/images/).
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from browser import CHROMIUM, expect, needs_browser, sync_playwright
+from browser import CHROMIUM, expect, needs_browser, screenshot_folder, shout, sync_playwright
 from served_app import App
 
 from chat.engine import DEMO_DIR, ChatEngine, Conversation, load_checkpoint
@@ -49,8 +48,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory, request):
-    folder = Path(os.environ.get("PERSONA_CHAT_SCREENSHOTS") or tmp_path_factory.mktemp("loop-screenshots"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = screenshot_folder(tmp_path_factory, "loop-screenshots")
     yield folder
     shout(request, f"loop browser screenshots: {folder}")
 
@@ -68,13 +66,6 @@ def page(served, shots):
         yield page
         context.close()
         browser.close()
-
-
-def shout(request, text: str) -> None:
-    """Print even without -s (the measured numbers belong in every run's output)."""
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\n{text}")
 
 
 def bot_messages(page, where: str = "#chat-log"):
