@@ -102,8 +102,9 @@ class FeedbackExport:
     heldout_rows: int
 
 
-def feedback_path() -> Path:
-    return data_root() / "feedback" / "feedback.sqlite3"
+def feedback_path(root: str | Path | None = None) -> Path:
+    """The store's database under the data root ``root`` (default: ``data_root()``, read now)."""
+    return Path(root if root is not None else data_root()) / "feedback" / "feedback.sqlite3"
 
 
 def _disk_full(err: BaseException) -> bool:

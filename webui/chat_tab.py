@@ -191,13 +191,13 @@ def _feedback_events(
         token: str | None, history, saved, data: gr.LikeData, request: gr.Request, profile: gr.OAuthProfile | None
     ):
         who = feedback_handlers.rater(train.auth, token, profile, request)
-        return feedback_handlers.like(who, history, saved, data.index, data.liked)
+        return feedback_handlers.like(who, history, saved, data.index, data.liked, train.feedback_store())
 
     def on_edit(
         token: str | None, history, saved, data: gr.EditData, request: gr.Request, profile: gr.OAuthProfile | None
     ):
         who = feedback_handlers.rater(train.auth, token, profile, request)
-        return feedback_handlers.edit(who, history, saved, data.index, data.value)
+        return feedback_handlers.edit(who, history, saved, data.index, data.value, train.feedback_store())
 
     options = {"concurrency_id": "feedback", "show_progress": "hidden", **PRIVATE}
     chat.chatbot.like(

@@ -13,7 +13,6 @@ import pandas as pd
 
 from chat.compare import IDLE_SECONDS, CompareSlot
 from chat.engine import MAX_MESSAGE_CHARS, ChatEngine
-from finetune.feedback import FeedbackStore, feedback_path
 from webui import bot_identity
 from webui import compare_handlers as handlers
 from webui.train_handlers import TrainTab
@@ -38,25 +37,11 @@ class CompareParts:
     pickers: tuple[gr.Dropdown, gr.Dropdown]
 
 
-class _Stores:
-    """One FeedbackStore per database path (the data root is read at each call, as the store does)."""
-
-    def __init__(self):
-        self._stores: dict[str, FeedbackStore] = {}
-
-    def __call__(self) -> FeedbackStore:
-        path = str(feedback_path())
-        if path not in self._stores:
-            self._stores = {path: FeedbackStore(path)}
-        return self._stores[path]
-
-
 def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, page: gr.Tab | None = None) -> CompareParts:
     """The tab's components and events (call inside ``gr.Tab``; pass that tab as ``page`` so the
     pair, the win rates and the model lists are redrawn whenever it is opened)."""
     slot = CompareSlot(engine)
     slot.start_reaper()
-    stores = _Stores()
     runs = train.manager.root
 
     gr.Markdown(INTRO)
@@ -122,7 +107,7 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, page: g
     for (winner, _), button in zip(handlers.VOTE_LABELS.items(), votes):
 
         def cast(last, request: gr.Request, winner=winner):
-            return handlers.vote(stores(), train, last, winner, request)
+            return handlers.vote(train.feedback_store(), train, last, winner, request)
 
         button.click(
             cast, pending, [table, pending, note, *votes], api_name=f"compare_vote_{winner}", queue=False, **PRIVATE
@@ -137,7 +122,7 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, page: g
         return (
             handlers.pair_markdown(slot),
             *handlers.pane_labels(slot),
-            handlers.win_rate_frame(stores(), slot.pair),
+            handlers.win_rate_frame(train.feedback_store(), slot.pair),
             gr.update(choices=listed, value=a),
             gr.update(choices=listed, value=b),
         )

@@ -178,7 +178,7 @@ def _refused(err: Exception) -> str:
     return f"⚠️ Not saved: {text}"
 
 
-def like(rater: Rater, history, replies: dict | None, index, liked, store: FeedbackStore | None = None):
+def like(rater: Rater, history, replies: dict | None, index, liked, store: FeedbackStore):
     """A 👍 (``liked`` True) or 👎 (False) on the bot message at ``index`` of ``history`` (the chat's
     server-side state); returns (the note under the chat, the reply records). Taking a rating back
     (``liked`` None or "") changes nothing: a trainer rejects rows in review."""
@@ -190,7 +190,6 @@ def like(rater: Rater, history, replies: dict | None, index, liked, store: Feedb
         turns, record = _reply(history, replies, index)
         if record["reply"] != record["original"]:
             raise FeedbackError("you corrected this reply: the correction is what was saved")
-        store = store or FeedbackStore()
         record = _save(store, rater, turns, record, turns[-1], "like" if liked else "dislike")
     except FeedbackError as err:
         return _refused(err), gr.skip()
@@ -205,7 +204,7 @@ def _index(index):
     return index[0] if isinstance(index, (list, tuple)) and index else index
 
 
-def edit(rater: Rater, history, replies: dict | None, index, value, store: FeedbackStore | None = None):
+def edit(rater: Rater, history, replies: dict | None, index, value, store: FeedbackStore):
     """A message edited in the chat; returns (chatbot, chat state, message box, note, records).
 
     A bot reply: the conversation goes on with the edited text in its place, stored as a
@@ -241,7 +240,6 @@ def edit(rater: Rater, history, replies: dict | None, index, value, store: Feedb
     corrected = [*history[:index], {"role": "assistant", "content": text}, *history[index + 1 :]]
     try:
         turns, record = _reply(history, replies, index)
-        store = store or FeedbackStore()
         record = _save(store, rater, turns, {**record, "reply": text}, text, "correction")
     except FeedbackError as err:  # the chat keeps the edit: it is the user's conversation
         return corrected, corrected, gr.skip(), _refused(err), gr.skip()

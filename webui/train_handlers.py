@@ -33,7 +33,7 @@ import gradio as gr
 
 from chat.layout import DEFAULT_MODEL, DEMO_DIR, ROOT
 from finetune.config import DEFAULT_DATASET
-from finetune.feedback import FeedbackExport, FeedbackStore
+from finetune.feedback import FeedbackExport, FeedbackStore, feedback_path
 from finetune.jobs import paths
 from finetune.jobs.command import detect_gpus
 from finetune.jobs.manager import RunBusyError, RunManager
@@ -110,9 +110,10 @@ class TrainTab:
         return Path(get_upload_folder()).resolve()
 
     def feedback_store(self) -> FeedbackStore:
-        """The feedback store the Chat tab writes to: finetune.feedback.feedback_path() under this data root."""
+        """The app's one feedback store, under this data root: the Chat tab's ratings and corrections,
+        the Compare tab's votes, the review panel and the exports all use it."""
         if self.feedback is None:
-            self.feedback = FeedbackStore(self.data_root / "feedback" / "feedback.sqlite3")
+            self.feedback = FeedbackStore(feedback_path(self.data_root))
         return self.feedback
 
     def served_run(self) -> str | None:
