@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -40,6 +41,9 @@ MANIFEST_FILE = "manifest.json"
 RNG_FILE = re.compile(r"random_states_(\d+)\.pkl")  # accelerate's RNG states of process N
 METRICS_FILE = "metrics.jsonl"
 STOP_FILE = "STOP"  # created by the app (or a user) to ask a run to checkpoint and stop
+# trainer_state.json's open loss window: {"loss_sum", "count"} of the losses since the last log
+# step, over all processes. A resume continues it, so its loss curve is the uninterrupted run's.
+WINDOW = "loss_window"
 
 
 class TrainingError(RuntimeError):
@@ -81,6 +85,19 @@ def find_checkpoint(output_dir: str | Path, spec: str) -> Path:
     if not (path / STATE_FILE).is_file():
         raise CheckpointNotFound(f"{spec} is not a complete checkpoint (no {STATE_FILE})", file=spec)
     return path
+
+
+def saved_window(state: dict) -> tuple[float, float] | None:
+    """(loss sum, count) of the loss window open when the checkpoint with this trainer_state was
+    saved; None when it has none (saved before checkpoints kept it) or not a usable one."""
+    window = state.get(WINDOW)
+    try:
+        loss_sum, count = float(window["loss_sum"]), float(window["count"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    if not (math.isfinite(loss_sum) and math.isfinite(count) and count >= 0):
+        return None
+    return loss_sum, count
 
 
 def run_started(output_dir: str | Path) -> bool:

@@ -1,6 +1,7 @@
 """The pieces the training recipe (``finetune/train.py``) puts together: the accelerator, the
-output-dir check, the data loaders, the step plan, optimizer and schedule, the profiler, stop
-requests and the final save. Each is small and does one thing; the recipe reads as their order.
+output-dir check, the data loaders, the step plan, optimizer and schedule, the loop's loss
+window, the profiler, stop requests and the final save. Each is small and does one thing; the
+recipe reads as their order.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +40,26 @@ log = get_logger(__name__)
 
 class OutputDirInUse(TrainingError):
     """--output_dir holds an earlier run. Its metrics.jsonl stays that run's: no error event."""
+
+
+@dataclass
+class LossWindow:
+    """What the loop sums up between two log steps / checks. The tensors stay on the device:
+    reading them every step would make the CPU wait for the GPU each step instead of queueing
+    the next one."""
+
+    sums: torch.Tensor  # (sum of finite losses, their count) since the last log step
+    bad_run: torch.Tensor  # consecutive steps with a non-finite loss
+    worst_bad_run: torch.Tensor  # longest such run since the last check
+    # speed: per launch attempt, since its last log (a resume measures its own)
+    start: float = field(default_factory=time.perf_counter)
+    samples: int = 0  # on all processes, since the last log step
+
+    @classmethod
+    def on(cls, device, carried: tuple[float, float] | None = None) -> LossWindow:
+        """An empty window, or one holding ``carried`` (loss sum, count: a checkpoint's open window)."""
+        sums = torch.tensor(carried or (0.0, 0.0), dtype=torch.float32, device=device)
+        return cls(sums, torch.zeros((), device=device), torch.zeros((), device=device))
 
 
 # --------------------------------------------------------------------------- the launcher's lifetime

@@ -48,6 +48,7 @@ from finetune.evaluate import evaluate_all, scores
 from finetune.hub import push
 from finetune.memory import resolve_batch
 from finetune.parts import (
+    LossWindow,
     StopRequest,
     TrainingError,
     check_compiler,
@@ -76,23 +77,6 @@ CHECK_EVERY = 10
 
 
 @dataclass
-class LossWindow:
-    """What the loop sums up between two log steps / checks. The tensors stay on the device:
-    reading them every step would make the CPU wait for the GPU each step instead of queueing
-    the next one."""
-
-    sums: torch.Tensor  # (sum of finite losses, their count) since the last log step
-    bad_run: torch.Tensor  # consecutive steps with a non-finite loss
-    worst_bad_run: torch.Tensor  # longest such run since the last check
-    start: float = field(default_factory=time.perf_counter)
-    samples: int = 0  # on all processes, since the last log step
-
-    @classmethod
-    def on(cls, device) -> LossWindow:
-        return cls(torch.zeros(2, device=device), torch.zeros((), device=device), torch.zeros((), device=device))
-
-
-@dataclass
 class Run:
     """One run: what setup() prepared, and where the loop is. Every step of train() takes it."""
 
@@ -117,6 +101,9 @@ class Run:
     resumed_at: int = 0
     saved_at: int = -1  # the step of the last checkpoint saved (or resumed from)
     skip_batches: int = 0  # micro-batches of its first epoch that a resumed run already trained on
+    # The loss window open at the checkpoint a run resumed from, (loss sum, count) over all processes:
+    # the run continues it (None: a fresh start, or a checkpoint saved before checkpoints kept it).
+    carried: tuple[float, float] | None = None
     # set by begin(), right before the loop
     stop: StopRequest | None = None
     progress: Any = None
@@ -232,10 +219,14 @@ def restore(run: Run, path: Path) -> None:
     Nothing between here and the loop may draw from the global RNG, or the resumed run differs."""
     run.accelerator.load_state(str(path))
     # (choose_checkpoint checked that it parses and has completed_steps)
-    run.completed = run.resumed_at = run.saved_at = json.loads((path / ckpt.STATE_FILE).read_text())["completed_steps"]
+    state = json.loads((path / ckpt.STATE_FILE).read_text())
+    run.completed = run.resumed_at = run.saved_at = state["completed_steps"]
     run.epoch, done_in_epoch = divmod(run.completed, run.steps_per_epoch)
     run.skip_batches = done_in_epoch * run.cfg.gradient_accumulation_steps
+    run.carried = ckpt.saved_window(state)
     log.info(f"resuming from {path} at step {run.completed}")
+    if run.carried is None:
+        log.info(f"{path} saved no loss window (an older version's): the loss curve starts a new one at the resume")
 
 
 def begin(run: Run) -> None:
@@ -275,7 +266,8 @@ def begin(run: Run) -> None:
         desc="training",
         disable=not acc.is_local_main_process or not sys.stderr.isatty(),
     )
-    run.window = LossWindow.on(acc.device)
+    # One rank carries the checkpoint's window: log_window sums the processes' windows.
+    run.window = LossWindow.on(acc.device, carried=run.carried if run.main else None)
 
 
 def train_epoch(run: Run, epoch: int) -> bool:
@@ -337,8 +329,11 @@ def check(run: Run, epoch: int) -> bool:
     """After an optimizer step: at log steps, checkpoint steps and every CHECK_EVERY steps, agree
     on stop requests and non-finite losses, then log, stop or save. True if the run stopped."""
     cfg, acc, step = run.cfg, run.accelerator, run.completed
-    # The first step is logged too: it shows the run is alive (and when it got going).
-    log_now = step % cfg.logging_steps == 0 or step == run.total_steps or step == run.resumed_at + 1
+    # The first step is logged too: it shows the run is alive (and when it got going). After a
+    # resume that continues its checkpoint's loss window, that log is `partial` (not a point of
+    # the curve), so the curve is the uninterrupted run's.
+    on_curve = step % cfg.logging_steps == 0 or step == run.total_steps
+    log_now = on_curve or step == run.resumed_at + 1
     save_now = bool(cfg.checkpointing_steps) and step % cfg.checkpointing_steps == 0
     # (a checkpoint is only written right after a check, so it never holds a non-finite step)
     if not (log_now or save_now or step % CHECK_EVERY == 0 or step >= run.total_steps):
@@ -355,7 +350,7 @@ def check(run: Run, epoch: int) -> bool:
             step=step,
         )
     if log_now:
-        log_window(run, epoch)
+        log_window(run, epoch, partial=not on_curve and run.carried is not None)
     if stop_requested > 0:
         stop_here(
             run, f"stop requested: saved a checkpoint at step {step}; resume with --resume_from_checkpoint latest"
@@ -366,8 +361,10 @@ def check(run: Run, epoch: int) -> bool:
     return False
 
 
-def log_window(run: Run, epoch: int) -> None:
-    """The ``log`` event: mean loss over all processes since the last one, learning rate, speed."""
+def log_window(run: Run, epoch: int, partial: bool = False) -> None:
+    """The ``log`` event: mean loss over all processes since the last one, learning rate, speed
+    (since the last log of this attempt). ``partial``: the loss window stays open (the event
+    says so), and only the speed is measured afresh."""
     acc, window, step = run.accelerator, run.window, run.completed
     loss_sum, count = acc.reduce(window.sums, "sum").tolist()
     elapsed = time.perf_counter() - window.start
@@ -380,19 +377,21 @@ def log_window(run: Run, epoch: int) -> None:
     }
     if torch.cuda.is_available():
         entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    run.metrics.write("log", **entry)
+        entry["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    run.metrics.write("log", **entry, **({"partial": True} if partial else {}))
     run.progress.set_postfix(loss=f"{entry['loss']:.4f}")
     if run.progress.disable:
         log.info(
-            f"step {step} / {run.total_steps}: loss {entry['loss']:.4f}, lr {entry['lr']:.3g}, "
-            f"{entry['samples_per_second']:.1f} samples/s"
+            f"step {step} / {run.total_steps}: loss {entry['loss']:.4f}{' so far' if partial else ''}, "
+            f"lr {entry['lr']:.3g}, {entry['samples_per_second']:.1f} samples/s"
         )
-    if run.cfg.with_tracking:
+    if run.cfg.with_tracking and not partial:  # a tracker's curve has the points metrics.jsonl's has
         acc.log(
             {"train_loss": entry["loss"], "lr": entry["lr"], "samples_per_second": entry["samples_per_second"]},
             step=step,
         )
-    window.sums.zero_()
+    if not partial:
+        window.sums.zero_()
     window.start, window.samples = time.perf_counter(), 0
 
 
@@ -400,7 +399,9 @@ def checkpoint(run: Run) -> None:
     """Save the training state at this step, once: a checkpoint step can also end an epoch."""
     if run.saved_at == run.completed:
         return
-    state = {"completed_steps": run.completed, "epoch": run.epoch}
+    # The open loss window goes with it (a collective: every rank saves), for a resume to continue.
+    loss_sum, count = run.accelerator.reduce(run.window.sums, "sum").tolist()
+    state = {"completed_steps": run.completed, "epoch": run.epoch, ckpt.WINDOW: {"loss_sum": loss_sum, "count": count}}
     path = ckpt.save_checkpoint(run.accelerator, run.cfg.output_dir, state, run.cfg.checkpoints_total_limit)
     run.saved_at = run.completed
     run.metrics.write("checkpoint", step=run.completed, path=str(path))

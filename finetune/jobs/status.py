@@ -7,6 +7,10 @@ attempt's latest error event (the CLI writes one for every failure it catches, w
 error's kind and the file at fault where there is one); only when there is none is it scraped
 from the end of train.log.
 
+The loss curve is the ``log`` events' losses by step, less the ``partial`` ones (the first step of
+a resumed attempt, logged to show it is alive while its loss window, continued from the
+checkpoint, is still open); those count for the speed and the ETA like any other.
+
 ``current_status`` is what viewers poll (every open page, every 2 s, logged in or not): it is
 computed again only when its inputs change (a new /proc snapshot, at most one per
 process.SCAN_SECONDS, or one of the run's files), so a flood of polls costs a few stat() calls
@@ -223,7 +227,7 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
         if kind == "start":
             total = e.get("total_steps", total)
             step = e.get("resumed_at", step)
-        elif kind == "log":
+        elif kind == "log" and not e.get("partial"):
             loss[e["step"]] = e["loss"]  # steps repeated after a resume: the later value wins
         elif kind == "eval":
             bleu[e["step"]] = e["eval_bleu"]

@@ -85,6 +85,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(saved_run):
         assert entry == {"size": (folder / rel).stat().st_size, "sha256": ckpt.sha256(folder / rel)}
     state = json.loads((folder / ckpt.STATE_FILE).read_text())
     assert state["completed_steps"] == 8 and state["num_processes"] == 2
+    assert state["loss_window"] == {"loss_sum": 0.0, "count": 0.0}  # step 8 was a log step: nothing open
     assert ckpt.check_checkpoint(folder, processes=2).intact
 
 
@@ -179,12 +180,16 @@ def test_resume_on_another_process_count_is_recorded_as_not_identical(processes,
 
 def test_resume_latest_falls_back_past_a_corrupt_checkpoint_and_reproduces_the_run(saved_run, tmp_path):
     """Flipped bytes in the newest optimizer shard used to load and end in a non-finite loss; now
-    the resume skips that checkpoint, loads the older one (saved before manifests: unverified) and
-    ends with the uninterrupted run's weights."""
+    the resume skips that checkpoint, loads the older one (saved before manifests and loss
+    windows: unverified, and its first step after the resume is a point of the curve, as before)
+    and ends with the uninterrupted run's weights."""
     out = tmp_path / "run"
     shutil.copytree(saved_run, out)
     flip_bytes(out / "checkpoints" / "step_12" / SHARD1)
-    (out / "checkpoints" / "step_8" / ckpt.MANIFEST_FILE).unlink()
+    older = out / "checkpoints" / "step_8"
+    (older / ckpt.MANIFEST_FILE).unlink()
+    state = json.loads((older / ckpt.STATE_FILE).read_text())
+    (older / ckpt.STATE_FILE).write_text(json.dumps({k: v for k, v in state.items() if k != "loss_window"}))
     before = len(events(out))
     proc = launch(
         ["--output_dir", str(out), *RUN, "--resume_from_checkpoint", "latest"],
@@ -195,8 +200,22 @@ def test_resume_latest_falls_back_past_a_corrupt_checkpoint_and_reproduces_the_r
     assert [e["event"] for e in new][:3] == ["checkpoint_skipped", "checkpoint_unverified", "start"]
     assert new[0]["file"] == str(out / "checkpoints" / "step_12" / SHARD1)
     assert new[2]["resumed_at"] == 8 and new[-1]["event"] == "done"
+    assert [(e["step"], e.get("partial")) for e in new if e["event"] == "log"] == [(9, None), (10, None), (12, None)]
     assert f"skipping corrupt checkpoint {out / 'checkpoints' / 'step_12'}" in proc.stderr
     reference = load_file(saved_run / "final" / "model.safetensors")
     got = load_file(out / "final" / "model.safetensors")
     assert max((reference[k] - got[k]).abs().max().item() for k in reference) < 1e-5
     assert ckpt.check_checkpoint(out / "checkpoints" / "step_12", processes=2).intact  # saved again, intact
+
+
+def test_saved_window_reads_a_checkpoints_open_loss_window():
+    assert ckpt.saved_window({"completed_steps": 8, "loss_window": {"loss_sum": 20.5, "count": 3}}) == (20.5, 3.0)
+    for state in (
+        {"completed_steps": 8},  # saved before checkpoints kept it
+        {"loss_window": None},
+        {"loss_window": {"loss_sum": 1.0}},
+        {"loss_window": {"loss_sum": "x", "count": 1}},
+        {"loss_window": {"loss_sum": float("nan"), "count": 1}},
+        {"loss_window": {"loss_sum": 1.0, "count": -1}},
+    ):
+        assert ckpt.saved_window(state) is None, state

@@ -2,12 +2,13 @@
 message, file), and from train.log only when the attempt wrote none (any rank's lines)."""
 
 import json
+import time
 
 import pytest
 
 from finetune import checkpoint as ckpt
 from finetune.jobs.manager import RunManager
-from finetune.jobs.status import error_from_event, error_from_log, status_of
+from finetune.jobs.status import _eta, error_from_event, error_from_log, status_of
 
 RUN_ID = "20250101-000000-abcdef"
 
@@ -196,3 +197,31 @@ def test_bleu_by_kind_and_on_held_out_feedback_come_from_the_latest_evaluation(t
     status = status_of(run_dir)
     assert status.bleu_parts == {"persona": 30.5, "none": 12.0, "feedback": 8.25}  # rows counts are not BLEU
     assert status.for_visitor().bleu_parts == status.bleu_parts
+
+
+def test_a_partial_log_shows_the_run_alive_but_is_no_point_of_the_loss_curve(tmp_path):
+    """The first step after a resume is logged ``partial``: its loss window, continued from the
+    checkpoint, is still open. The curve leaves it out (it stays the uninterrupted run's); the
+    step, the speed and the ETA of the attempt count it."""
+    now = time.time()
+    earlier = [
+        {"event": "start", "time": now - 100, "total_steps": 20, "resumed_at": 0},
+        {"event": "log", "time": now - 99, "step": 1, "loss": 7.5, "samples_per_second": 10.0},  # a fresh start's
+        {"event": "log", "time": now - 90, "step": 5, "loss": 7.0, "samples_per_second": 20.0},
+        {"event": "checkpoint", "step": 8, "path": "x"},
+        {"event": "stopped", "step": 8},
+    ]
+    current = [
+        {"event": "start", "time": now - 10, "total_steps": 20, "resumed_at": 8},
+        {"event": "log", "time": now - 5, "step": 9, "loss": 6.9, "samples_per_second": 30.0, "partial": True},
+    ]
+    run_dir = failed_run(tmp_path, earlier_events=earlier, events=current)
+    status = status_of(run_dir)
+    assert status.loss_points == [{"step": 1, "loss": 7.5}, {"step": 5, "loss": 7.0}]
+    assert status.step == 9 and status.samples_per_second == 30.0
+    # 1 step in 5 s since the resume: 11 steps to go, 5 s of them gone since that log
+    assert _eta(current, 9, 20) == pytest.approx(50.0, abs=1.0)
+    with open(run_dir / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"event": "log", "time": now, "step": 10, "loss": 6.8, "samples_per_second": 40.0}) + "\n")
+    status = status_of(run_dir)
+    assert [p["step"] for p in status.loss_points] == [1, 5, 10] and status.samples_per_second == 40.0

@@ -3,6 +3,7 @@ Hub push failure, failures as `error` events. Each run uses the tiny preset on t
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,15 +49,58 @@ def errors(out: Path) -> list[dict]:
     return [e for e in events(out) if e["event"] == "error"]
 
 
+def curve(run_dir: Path) -> list[tuple[int, float]]:
+    """The loss curve the Train tab draws for the run in ``run_dir`` (finetune.jobs.status), as (step, loss)."""
+    from finetune.jobs.status import status_of
+
+    if not (run_dir / "run.json").exists():  # a run launched here, not by the app: the status needs one
+        (run_dir / "run.json").write_text(json.dumps({"argv": [], "spec": {}}))
+    return [(p["step"], p["loss"]) for p in status_of(run_dir).loss_points]
+
+
+def logged(out: Path, *, partial: bool) -> list[tuple[int, float]]:
+    """(step, loss) of the run's ``log`` events: the curve's points, or the ``partial`` ones."""
+    return [(e["step"], e["loss"]) for e in events(out) if e["event"] == "log" and e.get("partial", False) == partial]
+
+
 @pytest.fixture(scope="module")
 def zero2_run(tiny_path, tmp_path_factory):
+    """12 steps, a log every 5 and a checkpoint every 4: step 8's checkpoint holds an open loss window (6-8)."""
     out = tmp_path_factory.mktemp("zero2") / "run"
     proc = launch(
-        ["--output_dir", str(out), "--max_train_steps", "12", "--checkpointing_steps", "4"],
+        ["--output_dir", str(out), "--max_train_steps", "12", "--checkpointing_steps", "4", "--logging_steps", "5"],
         launcher=accelerate("--main_process_port", str(free_port())),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, proc
+
+
+@pytest.fixture(scope="module")
+def resumed_run(zero2_run, tmp_path_factory) -> Path:
+    """zero2_run as if killed right after its step-8 checkpoint (its events up to that one, that
+    checkpoint), resumed with ``latest`` in the same folder: what the app's Resume does."""
+    out, _ = zero2_run
+    run = tmp_path_factory.mktemp("resumed") / "run"
+    shutil.copytree(out / "checkpoints" / "step_8", run / "checkpoints" / "step_8")
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    rows = [json.loads(line) for line in lines]
+    cut = next(i for i, e in enumerate(rows) if e["event"] == "checkpoint" and e["step"] == 8)
+    (run / "metrics.jsonl").write_text("".join(lines[: cut + 1]))
+    proc = launch(
+        [
+            "--output_dir",
+            str(run),
+            "--max_train_steps",
+            "12",
+            "--logging_steps",
+            "5",
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        launcher=accelerate("--main_process_port", str(free_port())),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run
 
 
 def test_zero2_two_processes_trains_and_saves(zero2_run):
@@ -92,48 +136,70 @@ def test_zero2_two_processes_trains_and_saves(zero2_run):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_12", "step_8"]
 
 
-def test_resume_matches_uninterrupted_run(zero2_run, tmp_path):
+def test_resume_matches_uninterrupted_run(zero2_run, resumed_run):
     """Resuming from the step-8 checkpoint reproduces the uninterrupted run's final weights."""
     out, _ = zero2_run
-    resumed = tmp_path / "resumed"
-    proc = launch(
-        [
-            "--output_dir",
-            str(resumed),
-            "--max_train_steps",
-            "12",
-            "--resume_from_checkpoint",
-            str(out / "checkpoints" / "step_8"),
-        ],
-        launcher=accelerate("--main_process_port", str(free_port())),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert events(resumed)[0]["resumed_at"] == 8
+    starts = [i for i, e in enumerate(events(resumed_run)) if e["event"] == "start"]
+    attempt = events(resumed_run)[starts[-1] :]
+    assert len(starts) == 2 and attempt[0]["resumed_at"] == 8
     reference = load_file(out / "final" / "model.safetensors")
-    got = load_file(resumed / "final" / "model.safetensors")
+    got = load_file(resumed_run / "final" / "model.safetensors")
     assert reference.keys() == got.keys()
     worst = max((reference[k] - got[k]).abs().max().item() for k in reference)
     assert worst < 1e-5, worst
-    # it trained only the remaining steps (the first one is always logged)
-    assert [e["step"] for e in events(resumed) if e["event"] == "log"] == [9, 10, 12]
+    # it trained only the remaining steps (the first one is always logged: the run is alive)
+    assert [e["step"] for e in attempt if e["event"] == "log"] == [9, 10, 12]
+
+
+def test_a_resumed_run_draws_the_uninterrupted_runs_loss_curve(zero2_run, resumed_run):
+    """The step-8 checkpoint saved the open window (steps 6-8): the resumed run's point at step 10
+    is the mean of steps 6-10, as in the uninterrupted run, and its first step (9) is logged as
+    ``partial`` (alive, not a point of the curve). Before, the curve had a one-step point at 9 and
+    a 9-10 point at 10, and steps 6-8 were lost."""
+    out, _ = zero2_run
+    want = curve(out)
+    assert [step for step, _ in want] == [1, 5, 10, 12]
+    got = curve(resumed_run)
+    print(f"loss curve: uninterrupted {want}, resumed at 8 {got}")
+    assert [step for step, _ in got] == [1, 5, 10, 12]
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], rel=1e-5)
+    # the events behind it: the same curve points, and the first step of each attempt as `partial` after a resume
+    assert [s for s, _ in logged(resumed_run, partial=False)] == [s for s, _ in logged(out, partial=False)]
+    assert [v for _, v in logged(resumed_run, partial=False)] == pytest.approx(
+        [v for _, v in logged(out, partial=False)], rel=1e-5
+    )
+    assert [s for s, _ in logged(out, partial=True)] == [] and [s for s, _ in logged(resumed_run, partial=True)] == [9]
+    state = json.loads((out / "checkpoints" / "step_8" / "trainer_state.json").read_text())
+    assert state["loss_window"]["count"] == 3 * 2  # steps 6-8 on 2 processes
 
 
 def test_stop_file_checkpoints_and_resume_latest(tiny_path, tmp_path):
-    """A STOP file makes the run save a checkpoint and exit; `latest` continues it to the end."""
+    """A STOP file makes the run save a checkpoint and exit; `latest` continues it to the end, and
+    its loss curve is the uninterrupted run's."""
+    flags = ["--max_train_steps", "6", "--logging_steps", "4"]
     out = tmp_path / "run"
     out.mkdir()
     (out / "STOP").touch()
-    proc = launch(["--output_dir", str(out), "--max_train_steps", "6"])
+    proc = launch(["--output_dir", str(out), *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     ev = events(out)
     assert ev[-1] == {**ev[-1], "event": "stopped", "step": 1}
     assert (out / "checkpoints" / "step_1").is_dir() and not (out / "final").exists()
     (out / "STOP").unlink()
-    proc = launch(["--output_dir", str(out), "--max_train_steps", "6", "--resume_from_checkpoint", "latest"])
+    proc = launch(["--output_dir", str(out), *flags, "--resume_from_checkpoint", "latest"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     ev = events(out)
     assert ev[-1]["event"] == "done" and ev[-1]["step"] == 6
     assert (out / "final" / "model.safetensors").is_file()
+
+    full = tmp_path / "full"
+    proc = launch(["--output_dir", str(full), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = curve(full), curve(out)
+    print(f"loss curve: uninterrupted {want}, stopped at 1 {got}")
+    assert [step for step, _ in want] == [step for step, _ in got] == [1, 4, 6]
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], rel=1e-5)
+    assert [s for s, _ in logged(out, partial=True)] == [2]  # alive after the resume, not drawn
 
 
 def test_refuses_to_overwrite_a_previous_run(zero2_run):
