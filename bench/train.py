@@ -25,7 +25,10 @@ and optimizer on batches already on the GPU, with no loader: every ratio also ha
 Parts: ``train`` (samples/s, seconds per 10,000-sample epoch, peak memory, MFU, time to the
 first logged step, evaluation of 1,000 rows with the seed's generation settings; seed, seed
 compute and tuned), ``levers`` (tuned compute with one change each: DeepSpeed buckets, torch.compile
-per layer; the seed's JSON in bf16), ``auto`` (``--per_device_train_batch_size auto``: the CLI and its compute),
+per layer; the seed's JSON in bf16), ``profile`` (seed and tuned compute with their GPU time by
+kernel kind, and tuned compute with the whole model compiled), ``attention`` (tuned compute with
+each attention kernel, profiled), ``alloc`` (the allocator's expandable segments, compute and CLI), ``auto``
+(``--per_device_train_batch_size auto``: the CLI and its compute),
 ``memory`` (second batch sizes for the memory model, finetune/memory.py), ``realistic``,
 ``maxbatch`` (largest micro-batch per GPU: each probe is a short run; an out-of-memory probe
 ends cleanly with the CLI's own error and the next size is tried) and ``scaling`` (1 GPU vs all).
@@ -55,7 +58,7 @@ from bench.train_runs import N_EVAL, PREFIX, Variant, run, setup_of
 log = logging.getLogger("bench.train")
 
 H200_PEAK_BF16 = 989e12  # dense bf16 tensor-core peak of one H200 (datasheet)
-PARTS = ("train", "levers", "auto", "memory", "realistic", "maxbatch", "scaling")
+PARTS = ("train", "levers", "profile", "attention", "alloc", "auto", "memory", "realistic", "maxbatch", "scaling")
 N_ROWS = 34_000  # rows per data file (10 steps of 1,600 x 2 fit in one epoch); cached tokenization
 
 
@@ -188,6 +191,23 @@ def plan(
             v("tuned", "zero2", "fixed", tuned_batch, mode="compute", bucket=5e8),
             v("tuned", "zero2", "fixed", tuned_batch, mode="compute", compile="layers"),
         ]
+    if "profile" in parts:  # where a step's GPU time goes, and whether one graph for the whole model helps
+        long = {"steps": 16 if not smoke else 8, "profile": 2}
+        out += [
+            replace(v("seed", "zero2", "fixed", batch, mode="compute"), **long),
+            replace(v("tuned", "zero2", "fixed", tuned_batch, mode="compute"), **long),
+            replace(v("tuned", "zero2", "fixed", tuned_batch, mode="compute", compile="model"), **long),
+        ]
+    if "attention" in parts:  # which attention kernel trains fastest (profiled: attention's share of a step)
+        long = {"steps": 16 if not smoke else 8, "profile": 2}
+        for attention in ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "eager"):
+            out.append(replace(v("tuned", "zero2", "fixed", tuned_batch, mode="compute", attention=attention), **long))
+    if "alloc" in parts:  # the caching allocator near the top of the card: its retries, and expandable segments
+        for expandable in (False, True):
+            out += [
+                v("tuned", "zero2", "fixed", tuned_batch, mode="compute", expandable=expandable),
+                v("tuned", "zero2", "fixed", "auto", expandable=expandable),
+            ]
     if "auto" in parts:  # the batch finetune/memory.py picks: the CLI, and its compute with the quality check
         out += [
             v("tuned", "zero2", "fixed", "auto", evaluate=True),

@@ -1,7 +1,8 @@
 """A recipe's compute alone: its DeepSpeed JSON and optimizer, batches already on the GPU, no
 data loader, no evaluation. ``bench.train`` runs it next to the CLI, so every training ratio has
 this baseline from the same run (the "seed compute" rows of docs/benchmarks.md), and uses it to
-try speed levers (torch.compile per layer, DeepSpeed bucket sizes, batch sizes) cheaply.
+try speed levers (torch.compile per layer or of the whole model, DeepSpeed bucket sizes, batch
+sizes) cheaply, and profile where a step's GPU time goes (``--profile``: kernels grouped by kind).
 
     accelerate launch --config_file configs/accelerate/zero2_seed.yaml --num_processes 1 \\
         --mixed_precision fp16 -m bench.train_compute --model random-400M \\
@@ -27,9 +28,10 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
+from bench.profile import Profile
 from bench.train_runs import PREFIX
 from chat.layout import SAMPLE_DIR
-from chat.model import configure_attention, load_model, load_tokenizer
+from chat.model import ATTENTION, configure_attention, load_model, load_tokenizer
 from finetune.checkpoint import MetricsWriter
 from finetune.config import TrainConfig, int_or_auto
 from finetune.memory import resolve_batch
@@ -72,7 +74,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--source_len", type=int, default=128)
     parser.add_argument("--target_len", type=int, default=64)
     parser.add_argument("--pad", choices=("max", "batch"), default="batch")
-    parser.add_argument("--compile", choices=("none", "layers"), default="none")
+    parser.add_argument("--compile", choices=("none", "layers", "model"), default="none")
+    parser.add_argument("--profile", type=int, default=0, help="Steps to profile from step 5.")
+    parser.add_argument("--attention", choices=ATTENTION, default="sdpa", help="As the CLI's --attention.")
     parser.add_argument("--bucket", type=float, help="DeepSpeed reduce/allgather bucket size (elements).")
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--num_warmup_steps", type=int, default=2)
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     set_seed(args.seed)
     metrics = MetricsWriter(args.output_dir, enabled=acc.is_main_process)
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, attn_implementation=configure_attention("sdpa"))
+    model = load_model(args.model, attn_implementation=configure_attention(args.attention))
     args.batch = cfg.per_device_train_batch_size = resolve_batch(cfg, acc, model)  # as the CLI resolves 'auto'
     rows = read_rows(args.train_file)
     random.Random(args.seed + acc.process_index).shuffle(rows)
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = args.bucket
     if args.compile == "layers":
         compile_layers(model)
+    elif args.compile == "model":  # one graph for the whole forward (fixed shapes: no recompiles)
+        model.compile()
     optimizer, scheduler = make_optimizer(acc, model, cfg, args.steps)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     cuda = torch.cuda.is_available()
@@ -130,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         bucket=args.bucket,
     )
     model.train()
+    profiler = Profile(args.output_dir, first=5, steps=args.profile) if args.profile and acc.is_main_process else None
     start, samples = time.perf_counter(), 0
     for step in range(1, args.steps + 1):
+        if profiler:
+            profiler.at(step)
         loss = model(**batches[(step - 1) % len(batches)]).loss
         acc.backward(loss)
         optimizer.step()
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"step": step, "loss": value, "samples_per_second": samples / elapsed}
             if cuda:
                 entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                entry["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             metrics.write("log", **entry)
             start, samples = time.perf_counter(), 0
     model.eval()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -38,7 +39,10 @@ class Variant:
     # DeepSpeed JSON and optimizer on batches already on the GPU (no loader, no evaluation)
     mode: str = "cli"
     dtype: str | None = None  # precision other than the recipe's own (fp16 seed, bf16 tuned)
-    compile: str = "none"  # compute runs: "layers" = torch.compile of every layer
+    compile: str = "none"  # compute runs: "layers" = torch.compile of every layer, "model" = of the whole model
+    attention: str = "sdpa"  # compute runs: the CLI's --attention choice (sdpa lets PyTorch pick the kernel)
+    expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fewer allocator retries)
+    profile: int = 0  # compute runs: steps profiled from step 5 (bench/profile.py)
     bucket: float | None = None  # compute runs: DeepSpeed bucket sizes (elements)
 
     @property
@@ -48,8 +52,11 @@ class Variant:
     @property
     def name(self) -> str:
         recipe = f"{self.recipe}-compute" if self.mode == "compute" else self.recipe
-        extras = ("-compile" if self.compile != "none" else "") + (
-            f"-bucket{self.bucket / 1e6:g}M" if self.bucket else ""
+        extras = (
+            {"none": "", "layers": "-compile", "model": "-compile-model"}[self.compile]
+            + (f"-bucket{self.bucket / 1e6:g}M" if self.bucket else "")
+            + (f"-{self.attention}" if self.attention != "sdpa" else "")
+            + ("-expandable" if self.expandable else "")
         )
         return f"{recipe}-{self.strategy}-{self.precision}-{self.data}-b{self.batch}-x{self.processes}{extras}"
 
@@ -90,6 +97,8 @@ def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]
             str(out_dir),
         ]
         args += ["--bucket", f"{v.bucket:g}"] if v.bucket else []
+        args += ["--profile", str(v.profile)] if v.profile else []
+        args += ["--attention", v.attention] if v.attention != "sdpa" else []
         return [*accelerate, *launcher, "-m", "bench.train_compute", *args]
     eval_batch = max(1, N_EVAL // v.processes) if v.recipe == "tuned" else 100  # the seed evaluated 100 per GPU
     flags = {
@@ -133,6 +142,9 @@ def summarize(events: list[dict], launched: float, v: Variant) -> dict:
         )
         if v.data == "fixed" and not v.cpu:  # the FLOP count is the 400M model's
             out["tflops_per_gpu"] = rate * FLOPS_PER_SAMPLE / v.processes / 1e12
+    retries = [e["alloc_retries"] for e in logs if e.get("alloc_retries") is not None]
+    if retries:  # the caching allocator freeing everything and retrying: a full sync each time
+        out["alloc_retries"] = max(retries)
     peaks = [e["gpu_mem_gib"] for e in logs if e.get("gpu_mem_gib") is not None]
     if peaks:
         out["peak_gib"] = max(peaks)
@@ -157,7 +169,8 @@ def run(v: Variant, data_dir: Path, work: Path, smoke: bool, timeout: float, tag
     log.info("%s: %s", v.name, " ".join(argv[2:]))
     launched = time.time()
     try:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if v.expandable else None
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
         code, stderr = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as err:
         partial = err.stderr or ""
@@ -179,5 +192,7 @@ def run(v: Variant, data_dir: Path, work: Path, smoke: bool, timeout: float, tag
         tail = [line for line in stderr.splitlines() if "error" in line.lower()][-3:]
         result["error"] = errors[-1] if errors else (" | ".join(tail) or f"exit {code}")
         result["oom"] = "out of memory" in (result["error"] + stderr).lower()
-    log.info("%s: %s", v.name, {k: result[k] for k in result if k not in ("variant", "losses")})
+    if (out_dir / "profile.json").exists():  # where the GPU time went (bench/profile.py)
+        result["profile"] = json.loads((out_dir / "profile.json").read_text())
+    log.info("%s: %s", v.name, {k: result[k] for k in result if k not in ("variant", "losses", "profile")})
     return result

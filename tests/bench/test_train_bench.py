@@ -56,6 +56,10 @@ def test_compute_runs_use_the_recipes_deepspeed_json_without_the_cli(tmp_path):
     argv = command(lever, tmp_path, tmp_path / "o", smoke=False)
     assert argv[argv.index("--bucket") + 1] == "5e+08" and argv[argv.index("--pad") + 1] == "batch"
     assert Variant("tuned", "zero2", "fixed", "auto", 1).name == "tuned-zero2-bf16-fixed-bauto-x1"
+    profiled = Variant("tuned", "zero2", "fixed", 1600, 1, mode="compute", compile="model", profile=2)
+    argv = command(profiled, tmp_path, tmp_path / "o", smoke=False)
+    assert argv[argv.index("--profile") + 1] == "2" and argv[argv.index("--compile") + 1] == "model"
+    assert profiled.name.endswith("-compile-model")
     # every train-part seed run has its compute twin, at the same batch
     planned = train_bench.plan(["train"], 1, 800, 1600, smoke=False, strategies=("zero2",))
     assert [v.name for v in planned] == [

@@ -1,0 +1,24 @@
+"""bench/profile.py: kernel names fall into the groups the speed targets ask about."""
+
+from bench.profile import group_of, summarize
+
+
+def test_kernels_are_grouped_by_kind():
+    assert group_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert group_of("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNN") == "gemm"
+    assert group_of("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention"  # a GEMM, counted as attention
+    assert group_of("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>") == (
+        "layer norm"
+    )
+    assert group_of("void at::native::fused_dropout_kernel_vec<c10::BFloat16>") == "dropout"
+    assert group_of("void multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert group_of("cunn_SoftMaxForward<4, float>") == "softmax / loss"
+    assert group_of("something_new") == "other"
+
+
+def test_summary_is_per_step_and_sorted():
+    report = summarize({"gemm_a": 30.0, "gemm_b": 10.0, "layer_norm_x": 6.0, "zzz": 4.0}, wall_ms=100.0, steps=2)
+    assert report["wall_ms_per_step"] == 50.0 and report["busy_ms_per_step"] == 25.0
+    assert report["busy_share"] == 0.5
+    assert list(report["groups_ms_per_step"].items()) == [("gemm", 20.0), ("layer norm", 3.0), ("other", 2.0)]
+    assert report["top_kernels_ms_per_step"][0] == {"kernel": "gemm_a", "group": "gemm", "ms": 15.0}
