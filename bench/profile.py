@@ -18,9 +18,9 @@ import torch
 # First match wins: attention before GEMM (FlashAttention kernels are GEMMs too), norms and
 # softmax before the elementwise catch-all.
 GROUPS = (
-    ("attention", r"fmha|flash|attention|attn"),
+    ("attention", r"fmha|flash|attention|attn|cudnn::fusion"),  # cuDNN's SDPA helpers too
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|sm80_|wgmma"),
-    ("layer norm", r"layer_?norm"),
+    ("layer norm", r"layer_?norm|gammabeta"),
     ("softmax / loss", r"softmax|nll|cross_entropy|logsumexp"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("dropout", r"dropout|bernoulli|philox"),

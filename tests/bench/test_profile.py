@@ -10,6 +10,8 @@ def test_kernels_are_grouped_by_kind():
     assert group_of("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>") == (
         "layer norm"
     )
+    assert group_of("void cudnn::fusion::compute_dot_do_o<true>(void const*)") == "attention"
+    assert group_of("void at::native::GammaBetaBackwardCUDAKernelTemplate<c10::BFloat16, float>") == "layer norm"
     assert group_of("void at::native::fused_dropout_kernel_vec<c10::BFloat16>") == "dropout"
     assert group_of("void multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
     assert group_of("cunn_SoftMaxForward<4, float>") == "softmax / loss"
