@@ -104,8 +104,15 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
             queue=False,
             **PRIVATE,
         )
+        # Opening the Chat or Compare tab shows the model serving now (another page may have swapped it).
         for page in (chat_page, compare_page):
-            page.select(lambda: gr.Timer(active=False), None, tab.timer, queue=False, **PRIVATE)
+            page.select(
+                lambda: (gr.Timer(active=False), chat_handlers.serving_markdown(engine)),
+                None,
+                [tab.timer, status],
+                queue=False,
+                **PRIVATE,
+            )
         tab.timer.tick(redraw, [tab.cache, session], live, queue=False, show_progress="hidden", **PRIVATE)
         for event in tab.actions:  # show what an action did at once, not at the next tick
             event.success(redraw, [tab.cache, session], live, queue=False, show_progress="hidden", **PRIVATE)

@@ -239,49 +239,6 @@ def meter_text(budget: Budget | None) -> str:
     )
 
 
-# --------------------------------------------------------------------------- context control
-
-
-def switch_context(contexts: dict | None, kind: str, context: str | None) -> tuple[str, dict]:
-    """The context box's value when the user picks ``kind``, and the page's saved contexts.
-
-    ``contexts`` holds each kind's last text and under ``"kind"`` the kind the box showed: the
-    box's text is kept for that kind, and the new kind gets back its own text (its default the
-    first time), so a persona is never copied into the Topic box nor lost on the way back.
-    """
-    saved = dict(contexts or {})
-    previous = saved.get("kind", "persona")
-    if previous in KIND_DEFAULTS and previous != "none":
-        saved[previous] = context or ""
-    if kind not in KIND_DEFAULTS:
-        kind = "none"
-    saved["kind"] = kind
-    value = saved.get(kind)
-    if kind == "none" or value is None or not value.strip():
-        value = KIND_DEFAULTS[kind]
-    return value, saved
-
-
-def pick_example(contexts: dict | None, index: int, context: str | None) -> tuple[str, str, dict]:
-    """(kind, context, saved contexts) when the user clicks example ``index``: its kind, with the
-    user's own text for that kind if they wrote one, else the example's context."""
-    _, kind, example_context = EXAMPLES[index]
-    value, saved = switch_context(contexts, kind, context)
-    if value == KIND_DEFAULTS[kind]:
-        value = example_context
-    return kind, value, saved
-
-
-def context_visibility(kind: str) -> tuple[dict, dict]:
-    """(context textbox update, emotion dropdown update) for ``kind``: the dropdown replaces the
-    textbox for emotions, and kind ``none`` shows neither."""
-    label, info = CONTEXT_LABELS.get(kind, CONTEXT_LABELS["none"])
-    return (
-        gr.update(visible=kind not in ("emotion", "none"), label=label, info=info),
-        gr.update(visible=kind == "emotion"),
-    )
-
-
 # --------------------------------------------------------------------------- chat
 
 
@@ -372,10 +329,12 @@ def model_label(spec: str) -> str:
     return f"{path.parent.name}/{path.name}" if path.name == FINAL else path.name
 
 
-def serving_markdown(engine: ChatEngine) -> str:
-    loaded = engine.current
+def serving_markdown(engine: ChatEngine, loaded=None) -> str:
+    """The serving banner: the engine's current model, or ``loaded`` (the one that wrote a reply)."""
+    current = engine.current
+    loaded = loaded or current
     detail = f"input: prefix `{loaded.prefix.strip() or '(none)'}`, up to {loaded.max_source_length} tokens"
-    if engine.status.startswith("offline"):
+    if loaded is current and engine.status.startswith("offline"):  # the status describes the current model
         status = engine.status[0].upper() + engine.status[1:]
         return f"⚠️ **{status}.** Its replies show that the pipeline works, not chat quality. ({detail})"
     return f"✅ **Serving {model_label(loaded.name)}** ({detail})"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from chat.engine import MAX_MESSAGE_CHARS, ChatEngine
-from webui import auth, bot_identity, chat_handlers, feedback_handlers
+from webui import auth, bot_identity, chat_handlers, feedback_handlers, saved_chats
 from webui.train_handlers import TrainTab
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: handlers that change things check the login
@@ -33,6 +33,11 @@ THEME = gr.themes.Default().set(
 
 # On a phone the chat fits the first screen: a shorter chat log, and the saved chats under it; the
 # Compare tab's two panes are short enough that the message box is on the first screen too.
+# Texts never scroll: gradio's block is overflow:auto, and a fraction of a pixel too much (the
+# serving banner's line) makes Chromium give it a Tab stop, as a keyboard-focusable scroller.
+# The serving banner is an output of every reply: no progress overlay over it while the bot writes.
+# Focus rings (WCAG 2.4.7): gradio draws none on the message box and a thin one elsewhere; this one
+# is the primary button's orange-700, over 3:1 against both the light and the dark background.
 CSS = """
 @media (max-width: 640px) {
   #chat-log { height: 52vh !important; max-height: 52vh !important; }
@@ -42,22 +47,99 @@ CSS = """
   #chat-column .row:has(#chat-log) > .column:first-child { order: 2; }
   #compare-a, #compare-b { height: 28vh !important; max-height: 28vh !important; }
 }
+.block:has(> [data-testid="markdown-wrapper"]) { overflow: visible !important; }
+#serving-status > [data-testid="status-tracker"] { display: none !important; }
+#chat-column :is(textarea, button, [role="gridcell"]):focus-visible, [role="tab"]:focus-visible {
+  outline: 3px solid var(--button-primary-background-fill) !important;
+  outline-offset: 1px;
+}
 """
 
-# After each reply the message box takes the focus back: while the bot writes, gradio disables
-# the box (or shows its stop button) and the focus falls to the page. When the reply is over and
-# nothing else has the focus, the box gets it again.
+# The page's script, three parts, rerun on every change of the page (gradio redraws parts of it):
+# - After each reply the message box takes the focus back: while the bot writes, gradio disables
+#   the box (or shows its stop button) and the focus falls to the page. When the reply is over and
+#   nothing else has the focus, the box gets it again.
+# - Names for gradio's icon-only buttons that have none (send, stop, share), and the trash button
+#   says what it does with save_history: it deletes the saved chat.
+# - The tabs, the saved chats and the examples are each one Tab stop, moved in with the arrow
+#   keys (WAI-ARIA's roving tabindex), so the message box is the 4th Tab stop of a fresh page (5th
+#   with saved chats), not the 13th.
 JS = """
 () => {
+  const NAMES = [
+    ["#chat-input .submit-button", "Send message"],
+    ["#chat-input .stop-button", "Stop the reply"],
+    ["#chat-log .top-panel button.icon-button[aria-label='']", "Share"],
+    ["#chat-log .top-panel button.icon-button[aria-label='Clear']", "Delete this chat"],
+  ];
+  // [group, its items, the role it gets and its name]: each group is one Tab stop.
+  const GROUPS = [
+    ["[role='tablist']", ":scope > button[role='tab']"],
+    ["#chat-column table[role='grid']", "td[role='gridcell']"],
+    ["#chat-log .examples", ":scope > button.example", "toolbar", "Example messages"],
+  ];
+  const last = new WeakMap();  // group -> the item focused last
+  const items = (group, selector) => [...group.querySelectorAll(selector)].filter(i => !i.disabled);
+  const selected = item => item.closest("[aria-selected='true']") !== null;
+  function tidy() {
+    for (const [selector, name] of NAMES) {
+      for (const button of document.querySelectorAll(selector)) {
+        // Only when it differs: setting an attribute, even to its value, wakes the observer below.
+        if (button.getAttribute("aria-label") !== name) button.setAttribute("aria-label", name);
+        if (button.getAttribute("title") !== name) button.setAttribute("title", name);
+      }
+    }
+    for (const img of document.querySelectorAll("#chat-column button img[alt]:not([alt=''])")) img.alt = "";
+    for (const [selector, itemSelector, role, name] of GROUPS) {
+      for (const group of document.querySelectorAll(selector)) {
+        if (role && group.getAttribute("role") !== role) {
+          group.setAttribute("role", role);
+          group.setAttribute("aria-label", name);
+        }
+        const all = items(group, itemSelector);
+        const stop = all.find(selected) || (all.includes(last.get(group)) && last.get(group)) || all[0];
+        for (const item of all) {
+          const index = item === stop ? "0" : "-1";
+          if (item.getAttribute("tabindex") !== index) item.setAttribute("tabindex", index);
+        }
+      }
+    }
+  }
+  const STEPS = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1, Home: "first", End: "last" };
+  document.addEventListener("keydown", event => {
+    if (!(event.key in STEPS) || event.altKey || event.ctrlKey || event.metaKey) return;
+    for (const [selector, itemSelector] of GROUPS) {
+      const group = event.target.closest(selector);
+      const all = group ? items(group, itemSelector) : [];
+      const at = all.indexOf(event.target);
+      if (at < 0) continue;
+      const step = STEPS[event.key];
+      const next = all[step === "first" ? 0 : step === "last" ? all.length - 1 : (at + step + all.length) % all.length];
+      event.preventDefault();
+      last.set(group, next);
+      next.focus();
+      return;
+    }
+  }, true);
+  document.addEventListener("focusin", event => {
+    for (const [selector, itemSelector] of GROUPS) {
+      const group = event.target.closest(selector);
+      if (group && items(group, itemSelector).includes(event.target)) last.set(group, event.target);
+    }
+  });
   let busy = false;
   new MutationObserver(() => {
+    tidy();
     const box = document.querySelector("#chat-input textarea");
     if (!box) return;
     const now = box.disabled || !!document.querySelector("#chat-input .stop-button");
     const idle = !document.activeElement || document.activeElement === document.body;
     if (busy && !now && idle) box.focus();
     busy = now;
-  }).observe(document.body, { subtree: true, childList: true, attributes: true, attributeFilter: ["disabled"] });
+  }).observe(document.body, {
+    subtree: true, childList: true, attributes: true, attributeFilter: ["disabled", "aria-selected", "aria-label"],
+  });
+  tidy();
 }
 """
 
@@ -82,27 +164,40 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
             kind, context, contexts = bot.kind, bot.context, bot.contexts
             preset = gr.Radio(chat_handlers.PRESET_CHOICES, value="fast", label="Preset")
             beams0, sample0, temperature0, top_p0, max_new0 = chat_handlers.preset_values("fast")
+            ranges = saved_chats.RANGES  # also what a saved chat's settings must fit to be restored
             with gr.Accordion("Generation settings", open=False):
                 beams = gr.Slider(
-                    1,
-                    16,
+                    *ranges["beams"][:2],
                     value=beams0,
-                    step=1,
+                    step=ranges["beams"][2],
                     label="Beams",
                     info="1 streams word by word; beam search answers at the end.",
                 )
                 sample = gr.Checkbox(value=sample0, label="Sampling")
-                temperature = gr.Slider(0.05, 2.0, value=temperature0, step=0.05, label="Temperature (with sampling)")
-                top_p = gr.Slider(0.05, 1.0, value=top_p0, step=0.05, label="Top-p (with sampling)")
-                max_new_tokens = gr.Slider(1, 128, value=max_new0, step=1, label="Max new tokens")
+                temperature = gr.Slider(
+                    *ranges["temperature"][:2],
+                    value=temperature0,
+                    step=ranges["temperature"][2],
+                    label="Temperature (with sampling)",
+                )
+                top_p = gr.Slider(
+                    *ranges["top_p"][:2], value=top_p0, step=ranges["top_p"][2], label="Top-p (with sampling)"
+                )
+                max_new_tokens = gr.Slider(
+                    *ranges["max_new_tokens"][:2],
+                    value=max_new0,
+                    step=ranges["max_new_tokens"][2],
+                    label="Max new tokens",
+                )
                 seed = gr.Number(0, precision=0, minimum=0, maximum=chat_handlers.SEED_MAX, label="Seed (0 = random)")
             meter = gr.Markdown(chat_handlers.meter_text(None), elem_id="token-meter")
         # Per bot message index: the model, kind and context that wrote it (feedback_handlers.chat_fn),
         # so a rating records them as they were, whatever is served or typed when it is given.
         replies = gr.State({})
+        written = gr.State(None)  # the settings of the chat's latest reply (webui.saved_chats)
         with chat_column:
             chat = gr.ChatInterface(
-                feedback_handlers.chat_fn(engine),
+                saved_chats.recording(feedback_handlers.chat_fn(engine)),
                 # editable="all" and the like event show ✏️ and 👍 / 👎 on the messages.
                 chatbot=gr.Chatbot(
                     label="Chat-E",
@@ -133,7 +228,8 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                     seed,
                     replies,
                 ],
-                additional_outputs=[meter, replies],
+                # The banner follows the model that wrote each reply (a swap on another page shows here).
+                additional_outputs=[meter, status, replies, written],
                 # Messages only: shown as buttons in the empty chat, labelled with their kind; a
                 # click sends it (the kind and context are set by pick_example below).
                 examples=[[message] for message, _, _ in chat_handlers.EXAMPLES],
@@ -157,27 +253,62 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
     # An example sets its kind and context before its message goes out: this runs at once, while
     # the chat's own example event first shows the message and then calls the model.
     def pick_example(saved: dict, box: str, event: gr.SelectData):
-        return chat_handlers.pick_example(saved, event.index, box)
+        return bot_identity.pick_example(saved, event.index, box)
 
     chat.chatbot.example_select(
         pick_example, [contexts, context], [kind, context, contexts], queue=False, show_progress="hidden", **PRIVATE
     )
-    # A new chat (or a saved one) has no last reply to measure, nor replies of this visit to rate.
-    # Saved chats keep only the messages: ChatInterface gives no event to store who the bot was
-    # with each of them.
-    for trigger in (chat.new_chat_button.click, chat.chat_history_dataset.click):
-        trigger(
-            lambda: (chat_handlers.meter_text(None), {}, feedback_handlers.HINT),
-            None,
-            [meter, replies, note],
-            queue=False,
-            show_progress="hidden",
-            **PRIVATE,
-        )
-    preset.change(
+    settings = [kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed]
+    _saved_chat_events(chat, settings, contexts, written, [meter, replies, note])
+    # .input, not .change: a saved chat's restored preset must not reset its restored beams etc.
+    preset.input(
         chat_handlers.preset_values, preset, [beams, sample, temperature, top_p, max_new_tokens], queue=False, **PRIVATE
     )
     return ChatParts(chat=chat, picker=picker)
+
+
+def _saved_chat_events(
+    chat: gr.ChatInterface, settings: list, contexts: gr.State, written: gr.State, visit: list
+) -> None:
+    """Who the bot was in each saved chat (webui.saved_chats), in a browser-stored value beside
+    ChatInterface's saved chats: stored whenever those change (each save after a reply, retry,
+    undo or edit, and a deletion), restored when the user opens a saved chat. ``settings`` are the
+    controls (kind, context, preset, beams, sample, temperature, top_p, max new tokens, seed);
+    ``written`` what the chat's latest reply was written with (the controls may have changed
+    since); ``visit`` (meter, reply records, note) starts afresh with a new or a saved chat: it
+    has no last reply to measure, nor replies of this visit to rate."""
+    store = gr.BrowserState({}, storage_key=saved_chats.STORAGE_KEY)
+    kind, context = settings[:2]
+
+    def remember(conversation_id, saved, stored, latest, *values):
+        # No reply this visit (a reopened chat without stored settings, edited): the page's settings.
+        chat_settings = saved_chats.checked(latest) if latest else saved_chats.ChatSettings.from_inputs(*values)
+        return saved_chats.remember(stored, conversation_id, saved, chat_settings)
+
+    chat.saved_conversations.change(
+        remember,
+        [chat.conversation_id, chat.saved_conversations, store, written, *settings],
+        store,
+        queue=False,
+        show_progress="hidden",
+        **PRIVATE,
+    )
+
+    def fresh() -> tuple:
+        return chat_handlers.meter_text(None), {}, feedback_handlers.HINT, None
+
+    def reopen(index, saved, stored, kept, box):
+        # New chat keeps the settings on the page; a saved chat gets back its own.
+        return (*fresh()[:-1], *saved_chats.restore(stored, index, saved, kept, box))
+
+    options = {"queue": False, "show_progress": "hidden", **PRIVATE}
+    chat.new_chat_button.click(fresh, None, [*visit, written], **options)
+    chat.chat_history_dataset.click(
+        reopen,
+        [chat.chat_history_dataset, chat.saved_conversations, store, contexts, context],
+        [*visit, kind, context, contexts, *settings[2:], written],
+        **options,
+    )
 
 
 def _feedback_events(

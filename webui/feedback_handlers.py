@@ -58,7 +58,7 @@ class _Pinned:
     served model when called; a swap may happen at any moment)."""
 
     def __init__(self, engine: ChatEngine):
-        self.engine, self.model = engine, None
+        self.engine, self.model, self.loaded = engine, None, None
 
     def stream(self, conv, message, settings):
         while True:
@@ -68,14 +68,17 @@ class _Pinned:
             # reply was prepared on it. Otherwise the not-yet-started generator is dropped (nothing
             # was generated) and the reply prepared again.
             if self.engine.current is before:
-                self.model = before.name
+                self.model, self.loaded = before.name, before
                 return stream
             stream.close()
 
 
 def chat_fn(engine: ChatEngine):
     """``chat_handlers.chat_fn`` plus the page's reply records: the ChatInterface function with the
-    records as its last input and output; yields (reply so far, token meter, records)."""
+    records as its last input and output; yields (reply so far, token meter, serving banner, records).
+
+    The banner names the model that wrote this reply, so a page that was open during a model swap
+    (on another page) shows the new model from its next reply on, not only after a reload."""
 
     def respond(
         message,
@@ -102,7 +105,7 @@ def chat_fn(engine: ChatEngine):
                 kept[index] = {**record, "reply": reply, "original": reply}
             else:  # a notice: nothing to rate
                 kept.pop(index, None)
-            yield reply, meter, dict(kept)
+            yield reply, meter, chat_handlers.serving_markdown(engine, pinned.loaded), dict(kept)
 
     return respond
 

@@ -39,7 +39,7 @@ from chat.engine import (
 from chat.layout import ROOT
 from chat.prompt import EMOTIONS, KINDS
 from finetune.jobs.command import free_port
-from webui import chat_handlers
+from webui import chat_handlers, saved_chats
 
 HELLO = "hi! tell me about yourself."
 CONTEXTS = {
@@ -231,42 +231,6 @@ def test_meter_text():
     assert "after the first reply" in chat_handlers.meter_text(None)
 
 
-def test_context_visibility_follows_the_kind():
-    textbox, dropdown = chat_handlers.context_visibility("emotion")
-    assert (textbox["visible"], dropdown["visible"]) == (False, True)
-    textbox, dropdown = chat_handlers.context_visibility("task")
-    assert (textbox["visible"], textbox["label"], dropdown["visible"]) == (True, "Task goal", False)
-    assert chat_handlers.context_visibility("none")[0]["visible"] is False
-
-
-def test_each_kind_keeps_its_own_context():
-    chef = "i am a chef."
-    topic, saved = chat_handlers.switch_context(None, "topic", chef)
-    assert topic == "jazz"  # the topic default, not the persona sentence
-    persona, saved = chat_handlers.switch_context(saved, "persona", "the blues")
-    assert persona == chef  # the user's persona is back
-    assert chat_handlers.switch_context(saved, "topic", persona)[0] == "the blues"  # and the topic they typed
-    assert chat_handlers.switch_context(saved, "none", persona)[0] == ""
-    emotion, saved = chat_handlers.switch_context(saved, "emotion", chef)
-    assert emotion == "joyful" and chat_handlers.switch_context(saved, "task", "")[0] == "vacation ideas"
-    # a cleared box gets the kind's default back next time
-    assert chat_handlers.switch_context({"kind": "task"}, "persona", "  ")[0] == chat_handlers.CHAT_E_PERSONA
-
-
-def test_examples_are_labelled_and_set_their_kind():
-    assert chat_handlers.EXAMPLE_LABELS[0] == "Persona: Hi! Who are you?"
-    assert [label.split(":")[0] for label in chat_handlers.EXAMPLE_LABELS] == [
-        "Persona",
-        "Emotion",
-        "Task goal",
-        "Topic",
-        "No context",
-    ]
-    kind, context, saved = chat_handlers.pick_example({"kind": "persona"}, 3, "i am a chef.")
-    assert (kind, context, saved["persona"]) == ("topic", "jazz", "i am a chef.")
-    assert chat_handlers.pick_example(saved, 0, "jazz")[:2] == ("persona", "i am a chef.")  # the user's own persona
-
-
 def make_final(root: Path, name: str, mtime: float, bleu: float | None = None, complete: bool = True) -> Path:
     final = root / name / "final"
     final.mkdir(parents=True)
@@ -451,24 +415,28 @@ def test_chat_interface_round_trip_keeps_the_dialogue(engine):
     chat = app.build_demo(engine).chat_interface
     inputs = ["persona", "i love dogs.", "fast", *chat_handlers.preset_values("fast")[:4], 40, 0]
 
-    replies = {}  # the page's reply records (webui/feedback_handlers.py), the chat's last input and output
+    # the page's reply records (webui/feedback_handlers.py): the chat's last input, and the output
+    # before the settings the reply was written with (webui/saved_chats.py)
+    replies = {}
 
     async def send(message, history):
         nonlocal replies
         outputs = [out async for out in chat._stream_fn(message, history, *inputs, replies)]
-        *out, replies = outputs[-1]
+        *out, replies, written = outputs[-1]
+        assert saved_chats.ChatSettings(**written).values() == (*inputs, 0)[:9]  # what a saved chat restores
         return out
 
     def browser(history):
         return chat.chatbot.preprocess(chat.chatbot.postprocess(history))
 
-    reply, history, meter = asyncio.run(send("hi there", []))
+    reply, history, meter, banner = asyncio.run(send("hi there", []))
     assert reply == engine.reply(Conversation("persona", "i love dogs."), "hi there")[0]
+    assert banner == chat_handlers.serving_markdown(engine)  # the page's banner follows the model that answered
     assert meter.startswith("context ") and meter.endswith("0 old turns dropped")
     with pytest.warns(UserWarning, match="Type a message first"):
-        refused, history, meter = asyncio.run(send("  ", browser(history)))
+        refused, history, meter, _ = asyncio.run(send("  ", browser(history)))
     assert chat_handlers.is_notice(refused) and meter == gr.skip()
-    reply2, history, _ = asyncio.run(send("do you have pets?", browser(history)))
+    reply2, history, *_ = asyncio.run(send("do you have pets?", browser(history)))
     assert chat_handlers.history_to_turns(browser(history)) == ["hi there", reply, "do you have pets?", reply2]
     # Each reply's record sits at its message's index in the history ChatInterface keeps.
     assert {i: chat_handlers.history_to_turns(history[: i + 1])[-1] for i in replies} == {1: reply, 5: reply2}

@@ -1,8 +1,9 @@
 """The Chat tab's first ten minutes in a real browser (headless Debian chromium through Playwright),
 on a desktop (1366x900) and on a phone (390x844): each kind keeps its own context, examples are
 labelled and send themselves, the chat comes first on a phone, the message box has a name and
-gets the focus back after each reply, help text and the primary button meet WCAG AA contrast, and
-New chat resets the token meter.
+gets the focus back after each reply, help text and the primary button meet WCAG AA contrast,
+New chat resets the token meter, the message box is the 4th Tab stop with a visible focus ring, and
+every button in the chat has a name.
 
 Every test keeps screenshots: in ``$PERSONA_CHAT_SCREENSHOTS`` if set, else in a pytest temporary
 folder; the folder is printed at the end of the run.
@@ -55,6 +56,7 @@ def page(request, served, browser, shots):
     page.goto(served.url)
     expect(page.locator("#chat-input textarea")).to_be_visible()
     page.shot = lambda name: page.screenshot(path=shots / f"{name}-{request.param}.png", full_page=True)
+    page.shots, page.size = shots, request.param
     yield page
     context.close()
 
@@ -196,3 +198,83 @@ def test_new_chat_resets_the_token_meter(page):
     expect(meter).to_have_text(initial)
     expect(bot_messages(page)).to_have_count(0)
     page.shot("5-new-chat")
+
+
+# --------------------------------------------------------------------------- keyboard and screen readers
+
+# What has the focus: "box" for the message box, else the element's role or tag and its name.
+FOCUSED_JS = """() => {
+  const e = document.activeElement;
+  if (!e || e === document.body) return "page";
+  if (e.closest("#chat-input") && e.tagName === "TEXTAREA") return "box";
+  const name = e.getAttribute("aria-label") || e.innerText || "";
+  return `${e.getAttribute("role") || e.tagName.toLowerCase()} ${name}`.trim();
+}"""
+
+
+def tab_stops_to_the_message_box(page, limit: int = 12) -> list[str]:
+    """What each Tab press from the top of the page focuses, up to the message box (or ``limit`` presses)."""
+    page.evaluate("() => document.activeElement?.blur()")
+    stops = []
+    while len(stops) < limit and stops[-1:] != ["box"]:
+        page.keyboard.press("Tab")
+        stops.append(page.evaluate(FOCUSED_JS)[:40])
+    return stops
+
+
+def test_the_message_box_is_an_early_tab_stop_with_a_visible_focus_ring(page):
+    stops = tab_stops_to_the_message_box(page)
+    assert stops[-1] == "box" and len(stops) <= 4, stops  # the Chat tab, New chat, the examples, the box (was 10th)
+    box = page.locator("#chat-input textarea")
+    style, width, color = box.evaluate(
+        "e => [getComputedStyle(e).outlineStyle, parseFloat(getComputedStyle(e).outlineWidth), "
+        "getComputedStyle(e).outlineColor]"
+    )
+    _, background = box.evaluate(COLORS_JS)
+    assert style != "none" and width >= 2, (style, width)
+    assert contrast(color, background) >= 3, (color, background)  # WCAG 1.4.11 for a focus indicator
+    page.locator("#chat-column").screenshot(path=page.shots / f"6-focus-ring-{page.size}.png")
+    # The examples are one Tab stop: the arrow keys move between them and Enter sends one.
+    box.press("Shift+Tab")
+    first = page.get_by_role("button", name=chat_handlers.EXAMPLE_LABELS[0])
+    expect(first).to_be_focused()
+    expect(page.get_by_role("toolbar", name="Example messages")).to_be_visible()
+    page.keyboard.press("ArrowRight")
+    expect(page.get_by_role("button", name=chat_handlers.EXAMPLE_LABELS[1])).to_be_focused()
+    page.keyboard.press("End")
+    expect(page.get_by_role("button", name=chat_handlers.EXAMPLE_LABELS[-1])).to_be_focused()
+    page.keyboard.press("Enter")
+    wait_for_reply(page, 1)
+    expect(page.get_by_role("radio", name="None")).to_be_checked()
+    # With saved chats (after a reload, local storage keeps them): one more stop, the list.
+    send(page, "and what else?")
+    expect(page.get_by_role("gridcell")).to_have_count(1)  # saved (the example's reply alone is not)
+    page.reload()
+    expect(page.locator("#chat-input textarea")).to_be_visible()
+    expect(page.get_by_role("gridcell")).to_have_count(1)
+    stops = tab_stops_to_the_message_box(page)
+    assert stops[-1] == "box" and len(stops) <= 5, stops
+    page.shot("6-keyboard-with-a-saved-chat")
+
+
+def test_every_button_in_the_chat_has_a_name(page):
+    # The stop button shows while the bot writes: note its name whenever the page changes.
+    page.evaluate(
+        """() => { window.stopNames = [];
+          new MutationObserver(() => { const b = document.querySelector('#chat-input .stop-button');
+            if (b) window.stopNames.push(b.getAttribute('aria-label')); })
+          .observe(document.body, { subtree: true, childList: true, attributes: true }); }"""
+    )
+    send(page, "hi! who are you?")
+    send(page, "what do you do for fun?")
+    assert "Stop the reply" in page.evaluate("() => window.stopNames")
+    bot_messages(page).last.hover()
+    page.shot("7-buttons-named")
+    tree = page.locator("#chat-column").aria_snapshot()
+    buttons = re.findall(r'^\s*- button(?: "([^"]*)")?', tree, re.MULTILINE)
+    assert buttons and all(name and name.strip() for name in buttons), tree
+    for name in ("Send message", "Delete this chat", "Share", "Copy conversation", "Retry", "Undo", "Edit", "Like"):
+        assert name in buttons, (name, buttons)
+    assert "New chat" in buttons  # the icon is decorative: not "New chat icon New chat"
+    # An icon button's name is also its tooltip.
+    expect(page.locator("#chat-input .submit-button")).to_have_attribute("title", "Send message")

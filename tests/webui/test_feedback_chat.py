@@ -51,7 +51,7 @@ def visitor(address="203.0.113.7", config=None) -> feedback_handlers.Rater:
 def say(engine, message, history, replies, kind="persona", context=PERSONA):
     """One exchange as ChatInterface runs it: the history it keeps, and the page's reply records."""
     out = list(feedback_handlers.chat_fn(engine)(message, history, kind, context, *SETTINGS, replies))
-    reply, _, replies = out[-1]
+    reply, _, _, replies = out[-1]
     shown = reply if isinstance(reply, dict) else {"role": "assistant", "content": reply}
     return [*history, {"role": "user", "content": message}, shown], replies
 
@@ -230,6 +230,27 @@ def test_the_model_that_answered_is_recorded_not_the_one_serving_at_rating_time(
     feedback_handlers.like(visitor(), history, replies, 1, True, store)
     feedback_handlers.like(visitor(), history, replies, 3, True, store)
     assert [r.model for r in store.rows()] == [str(DEMO_DIR), str(other)]
+
+
+def test_the_banner_names_the_model_that_wrote_the_reply(demo_model, tmp_path):
+    """A page open while another page swaps the model sees the new one named with its next reply."""
+    other = tmp_path / "runs" / "second" / "final"
+    shutil.copytree(DEMO_DIR, other)
+    engine = SwapWhilePreparing(demo_model, "offline: using the demo model instead of facebook/x")
+    assert chat_handlers.serving_markdown(engine).startswith("⚠️ **Offline")
+    engine.other = str(other)  # swapped while the reply is prepared: the new model writes it
+    out = list(feedback_handlers.chat_fn(engine)("hi", [], "persona", PERSONA, *SETTINGS, {}))
+    assert {banner for _, _, banner, _ in out} == {chat_handlers.serving_markdown(engine)}
+    assert out[-1][2].startswith("✅ **Serving second/final** (")
+    # A reply written by a model no longer served names the model that wrote it, not the served one.
+    previous = engine.current
+    engine.swap(str(DEMO_DIR))
+    banner = chat_handlers.serving_markdown(engine, previous)
+    assert banner.startswith("✅ **Serving second/final**") and banner != chat_handlers.serving_markdown(engine)
+    # A refused message (no model call) shows the served model.
+    with pytest.warns(UserWarning, match="Type a message first"):
+        ((_, _, banner, _),) = list(feedback_handlers.chat_fn(engine)("  ", [], "persona", PERSONA, *SETTINGS, {}))
+    assert banner.startswith("✅ **Serving demo model (tiny, bundled)**")
 
 
 def test_model_names_shown_in_the_chat_are_not_server_paths(demo_model, tmp_path):
