@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,44 @@ class ModelShape:
         from chat.model import resolve
 
         return cls.from_config(AutoConfig.from_pretrained(resolve(name_or_path)))
+
+    @classmethod
+    def local(cls, name_or_path: str) -> ModelShape | None:
+        """The shape from config.json alone, never downloading or building anything: a preset (its
+        built folder, else its recipe), a model folder, or a Hub id already in the local Hugging
+        Face cache; None when no such config is on this machine (the caller says the estimate is
+        unavailable). Cheap: for the Train tab's pre-flight line at each change of the form."""
+        import json
+        from types import SimpleNamespace
+
+        from chat.model import MAX_POSITIONS, MODEL_PRESETS, TOKENIZER_VOCAB, cache_dir
+
+        name = name_or_path.strip()
+        if name in MODEL_PRESETS:
+            path = cache_dir() / f"{name}-blenderbot" / "config.json"
+            if not path.is_file():  # not built yet: its recipe (the tokenizer's vocabulary is about TOKENIZER_VOCAB)
+                recipe = {
+                    "vocab_size": TOKENIZER_VOCAB,
+                    "max_position_embeddings": MAX_POSITIONS,
+                    **MODEL_PRESETS[name],
+                }
+                return cls.from_config(SimpleNamespace(**recipe))
+        elif Path(name).is_dir():
+            path = Path(name) / "config.json"
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            try:
+                found = try_to_load_from_cache(name, "config.json")
+            except ValueError:  # not a valid repo id
+                return None
+            if not isinstance(found, str):  # not cached, or cached as missing
+                return None
+            path = Path(found)
+        try:
+            return cls.from_config(SimpleNamespace(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError, AttributeError):  # no file, not JSON, not an encoder-decoder's
+            return None
 
     def flops_per_sample(self, source_len: int, target_len: int) -> float:
         """6 x the weights each token passes through x the tokens (as bench/train_runs.py counts)."""

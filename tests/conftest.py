@@ -43,6 +43,7 @@ SLOW_MODULES = {
     "test_jobs_ranks.py",
     "test_app_train.py",
     "test_browser.py",
+    "test_browser_train.py",  # the Train tab in a browser, desktop and phone, two tiny runs
     "test_browser_loop.py",  # issue 13's loop: chat, correct, accept, retrain, compare, vote
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
     "test_browser_chat_state.py",  # saved chats' settings, the banner across two pages

@@ -39,6 +39,8 @@ from finetune.jobs.command import detect_gpus
 from finetune.jobs.manager import RunBusyError, RunManager
 from finetune.jobs.spec import JobSpec, app_config, make_config
 from finetune.jobs.uploads import ensure_room, validate_upload
+from finetune.memory import gpu as gpu_info
+from webui import train_preflight
 from webui.auth import AuthConfig, AuthError, require, who
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class TrainTab:
     manager: RunManager
     auth: AuthConfig
     gpus: int = 0  # detected at start-up; 0 = CPU only
+    gpu: tuple[str, float] | None = None  # (name, total GiB) of a GPU, read at start-up: the pre-flight line
     data_root: Path = field(default_factory=paths.data_root)  # validated uploads are copied here
     incoming: Path | None = None  # where gradio puts uploaded files (None: gradio's upload folder)
     serving: Callable[[], str] | None = None  # the chat's served model (app.py sets it), to continue from
@@ -100,7 +103,13 @@ class TrainTab:
 
     @classmethod
     def create(cls, auth: AuthConfig | None = None, runs_root: Path | str | None = None) -> TrainTab:
-        return cls(manager=RunManager(runs_root), auth=auth or AuthConfig.from_env(), gpus=detect_gpus())
+        gpus = detect_gpus()
+        return cls(
+            manager=RunManager(runs_root),
+            auth=auth or AuthConfig.from_env(),
+            gpus=gpus,
+            gpu=gpu_info() if gpus else None,
+        )
 
     def incoming_root(self) -> Path:
         if self.incoming is not None:
@@ -290,6 +299,7 @@ def spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> J
     data.update(_feedback(tab, values))
     settings = {name: value for name, value in values.items() if name not in (*DATA_FIELDS, *LAUNCH_FIELDS)}
     settings.update({name: None for name in ZERO_IS_NONE if settings[name] in (None, "", 0)})
+    settings["per_device_train_batch_size"] = train_preflight.parse_batch(settings["per_device_train_batch_size"])
     spec = JobSpec(
         make_config(**settings, **data),
         split_train_file=split_train_file,
@@ -305,6 +315,12 @@ def spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> J
             "`tiny` model, or continuing a finished run, is allowed here; the README's CLI runs any."
         )
     return spec
+
+
+def preflight_markdown(tab: TrainTab, values: Mapping) -> str:
+    """The pre-flight line of the form's ``train_preflight.FIELDS`` values (no login needed: it
+    changes nothing)."""
+    return train_preflight.preflight(tab.gpus, tab.gpu, values).text
 
 
 def form_inputs(components: Mapping) -> dict:
@@ -406,6 +422,7 @@ def start_run(tab: TrainTab, token: str | None, profile, uploads: Uploads | None
     with explained("start a run"):
         user = require(tab.auth, token, profile, "start a training run")
         spec = spec_from_form(tab, values, uploads)
+        train_preflight.check_start(spec, tab.gpu)  # BatchTooLarge: the batch that fits, before minutes of loading
         status = tab.manager.start(spec)
         log.info("run %s started (%s)", status.run_id, user)
         gr.Info(f"Run {status.run_id} started")

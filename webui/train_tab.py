@@ -14,6 +14,7 @@ import gradio as gr
 
 from webui import auth, review_tab
 from webui import train_handlers as handlers
+from webui import train_preflight as preflight
 from webui import train_view as view
 from webui.train_handlers import TrainTab
 
@@ -21,15 +22,51 @@ PRIVATE = {"api_visibility": "private"}  # not a security boundary: every handle
 PLOT_HEIGHT = 260
 
 # On a phone the tab is one long column: rows of small inputs keep two per line and buttons share a
-# line (gradio stacks each on its own line below its min width), plots get shorter.
+# line (gradio stacks each on its own line below its min width). A button's or a checkbox's words
+# stay on one line (a phone broke "Show command" and "Private repo" into one word per line): in the
+# push row, the repo id, the checkbox and the button each get a line (gradio puts the first two in
+# one .form box).
 CSS = """<style>
+.train-buttons > button, .train-push-row button, .train-push-row label { white-space: nowrap; }
 @media (max-width: 640px) {
   .train-pair, .train-pair > .form { flex-direction: row !important; flex-wrap: wrap !important; }
   .train-pair > *, .train-pair > .form > * { flex: 1 1 40% !important; min-width: 40% !important; }
-  .train-buttons { flex-wrap: wrap !important; }
+  .train-buttons, .train-push-row { flex-wrap: wrap !important; }
   .train-buttons > button { flex: 1 1 40% !important; min-width: 40% !important; }
+  .train-push-row > .form { flex-wrap: wrap !important; }
+  .train-push-row > .form > * { flex: 1 1 100% !important; }
 }
 </style>"""
+
+# What the page itself does (gradio's HTML ``js_on_load``, once the tab is drawn):
+# - the run's status and what an action did are ARIA live regions, so a screen reader announces a
+#   run's progress, its end and a refusal (gradio's Markdown has no attribute for it);
+# - the log box keeps its newest line in view: wrapped lines (a phone wraps each one) make its 12
+#   lines taller than the box, and gradio's autoscroll follows only its first update. Only while
+#   the reader has not scrolled up to read something.
+PAGE_JS = """
+const live = (tries) => {
+  const found = ["train-run", "train-action"].map((id) => document.getElementById(id));
+  found.forEach((el) => { if (el) { el.setAttribute("role", "status"); el.setAttribute("aria-live", "polite"); } });
+  if (found.some((el) => !el) && tries > 0) setTimeout(() => live(tries - 1), 200);
+};
+live(50);
+let pinned = true, watched = null, touched = 0;
+setInterval(() => {
+  const box = document.querySelector("#train-log textarea");
+  if (!box || !box.clientHeight) return;
+  if (box !== watched) {  // a scroll counts as the reader's within a second of their wheel, touch, key or click
+    watched = box;
+    for (const type of ["wheel", "touchmove", "keydown", "mousedown"]) {
+      box.addEventListener(type, () => { touched = Date.now(); }, { passive: true });
+    }
+    box.addEventListener("scroll", () => {
+      if (Date.now() - touched < 1000) pinned = box.scrollTop + box.clientHeight >= box.scrollHeight - 8;
+    });
+  }
+  if (pinned && box.scrollTop + box.clientHeight < box.scrollHeight - 8) box.scrollTop = box.scrollHeight;
+}, 250);
+"""
 
 INTRO = """### Train a model
 Fine-tune a BlenderBot on the sample, a Hub dataset or your own file. **Start** runs `accelerate launch … -m finetune`
@@ -46,7 +83,9 @@ class TrainParts:
     cache: gr.State  # what this page shows, so a redraw sends only changes
     timer: gr.Timer
     actions: list  # start / stop / resume / push events: redraw as soon as one succeeds
-    live: list  # run text, loss plot, BLEU plot, samples, log tail, base-model dropdown (live_view's order)
+    live: (
+        list  # run text, loss plot, BLEU plot, samples, log tail, action line, base-model dropdown (live_view's order)
+    )
     review: gr.Accordion  # the feedback review panel, whose label counts the pending rows
 
 
@@ -122,14 +161,18 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             )
         with gr.Row(visible=False) as upload_row:
             train_file = gr.File(
-                label="Training file (.jsonl/.json/.csv/.parquet)", file_types=list(handlers.UPLOAD_TYPES), **locked
+                label="Training file (.jsonl/.json/.csv/.parquet)",
+                file_types=list(handlers.UPLOAD_TYPES),
+                elem_id="train-file",
+                **locked,
             )
             val_file = gr.File(
                 label="Validation file (optional: else the last 10% of the training rows)",
                 file_types=list(handlers.UPLOAD_TYPES),
+                elem_id="train-val-file",
                 **locked,
             )
-        preview = gr.Markdown(elem_id="train-preview")
+        preview = gr.Markdown(elem_id="train-preview", visible=False)  # an upload's rows, or why it was refused
         with gr.Row(elem_classes="train-pair"):
             form["n_train"] = gr.Number(
                 defaults["n_train"],
@@ -153,11 +196,11 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             form["learning_rate"] = gr.Number(defaults["learning_rate"], minimum=0, label="Learning rate", **locked)
         with gr.Accordion("More settings: batches, lengths, strategy, logging, Hub", open=False, elem_id="train-more"):
             with gr.Row(elem_classes="train-pair"):
-                form["per_device_train_batch_size"] = gr.Number(
-                    defaults["per_device_train_batch_size"],
-                    precision=0,
-                    minimum=1,
-                    label="Train batch (per device)",
+                form["per_device_train_batch_size"] = gr.Textbox(
+                    str(defaults["per_device_train_batch_size"]),
+                    label=preflight.BATCH_LABEL,
+                    info="a number, or auto: the largest that fits the GPU (8 on the CPU)",
+                    max_length=12,
                     elem_id="train-batch",
                     **locked,
                 )
@@ -231,6 +274,11 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 form["hub_private"] = gr.Checkbox(defaults["hub_private"], label="Private repo", **locked)
     form_inputs = handlers.form_inputs(form)  # passed by name (inputs_kwargs), in FORM_FIELDS order for API clients
 
+    # What the run will need (memory per GPU, time per epoch), and why Start will refuse a batch too big.
+    estimate = gr.Markdown(
+        handlers.preflight_markdown(train, {name: defaults[name] for name in preflight.FIELDS}),
+        elem_id="train-preflight",
+    )
     lock_note = gr.Markdown(handlers.controls_state(train, None, None)[1], elem_id="train-lock-note")
     with gr.Row(elem_classes="train-buttons"):
         start = gr.Button("Start", variant="primary", elem_id="train-start", **locked)
@@ -238,8 +286,15 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         resume = gr.Button("Resume", elem_id="train-resume", **locked)
         show = gr.Button("Show command", elem_id="train-show-command")
     action = gr.Markdown(elem_id="train-action")
+    # Hidden until Show command fills it: empty, it was a tall blank box above the run (~200 px on a phone).
     command = gr.Code(
-        language="shell", label="Command", interactive=False, lines=2, max_lines=8, elem_id="train-command"
+        language="shell",
+        label="Command",
+        interactive=False,
+        lines=2,
+        max_lines=8,
+        visible=False,
+        elem_id="train-command",
     )
     run = gr.Markdown(elem_id="train-run")
     with gr.Row():
@@ -257,6 +312,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             view.bleu_frame(view.RunStatus()),
             x="step",
             y="bleu",
+            y_lim=view.values_axis(view.bleu_frame(view.RunStatus()), "bleu"),  # a score from 0
             title="Validation BLEU",
             height=PLOT_HEIGHT,
             elem_id="train-bleu",
@@ -279,13 +335,13 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             elem_id="train-samples",
         )
     with gr.Accordion("Push the finished run to the Hub", open=False, elem_id="train-push-panel"):
-        with gr.Row():
+        with gr.Row(elem_id="train-push-row", elem_classes="train-push-row"):
             push_repo = gr.Textbox(
                 label="Push the finished run to", placeholder="user/my-chat-e", max_length=200, scale=3, **locked
             )
-            push_private = gr.Checkbox(False, label="Private repo", scale=1, **locked)
+            push_private = gr.Checkbox(False, label="Private repo", scale=1, elem_id="train-push-private", **locked)
             push = gr.Button("Push to Hub", scale=1, elem_id="train-push", **locked)
-    gr.HTML(CSS, elem_id="train-css", padding=False)
+    gr.HTML(CSS, elem_id="train-css", padding=False, js_on_load=PAGE_JS)
     timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
     unlocked = [*(c for name, c in form.items() if name != "num_gpus" or train.gpus), train_file, val_file]
     unlocked += [start, stop, resume, push_repo, push_private, push]
@@ -356,11 +412,13 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             do_push, [session, push_repo, push_private], action, api_name="train_push", **one_at_a_time, **PRIVATE
         ),
     ]
-    show.click(do_show, uploads, command, inputs_kwargs=form_inputs, api_name="train_command", queue=False, **PRIVATE)
+    show.click(lambda: gr.update(visible=True), None, command, queue=False, show_progress="hidden", **PRIVATE).then(
+        do_show, uploads, command, inputs_kwargs=form_inputs, api_name="train_command", queue=False, **PRIVATE
+    )
     form["data_source"].change(
-        lambda source: (gr.update(visible=source == "hub"), gr.update(visible=source == "upload")),
+        lambda source: (gr.update(visible=source == "hub"), *[gr.update(visible=source == "upload")] * 2),
         form["data_source"],
-        [form["hub_dataset"], upload_row],
+        [form["hub_dataset"], upload_row, preview],
         queue=False,
         **PRIVATE,
     )
@@ -372,6 +430,15 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         **PRIVATE,
     )
     review_tab.connect(review, train, session, form["source_prefix"])
+    gr.on(
+        [form[name].change for name in preflight.FIELDS],
+        lambda *values: handlers.preflight_markdown(train, dict(zip(preflight.FIELDS, values, strict=True))),
+        [form[name] for name in preflight.FIELDS],
+        estimate,
+        queue=False,
+        show_progress="hidden",
+        **PRIVATE,
+    )
 
     def page_state(token: str | None, profile: gr.OAuthProfile | None):
         # on page load and at each login / logout: what this page may use, and why not
@@ -387,6 +454,6 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         cache=cache,
         timer=timer,
         actions=actions,
-        live=[run, loss, bleu, samples, log_tail, form["model_name_or_path"]],
+        live=[run, loss, bleu, samples, log_tail, action, form["model_name_or_path"]],
         review=review.panel,
     )

@@ -20,6 +20,7 @@ SAMPLES_SHOWN = 5
 # The log box shows this many lines, newest at the bottom: exactly its height, so the newest line
 # is in view whatever the box's scroll position (the whole log is train.log in the run folder).
 LOG_LINES = 12
+ENDED = ("stopped", "finished", "failed")
 STATE_ICONS = {"idle": "💤", "running": "🏃", "stopping": "⏳", "stopped": "⏸️", "finished": "✅", "failed": "❌"}
 
 
@@ -103,6 +104,30 @@ def samples_frame(status: RunStatus) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["prompt", "prediction", "reference"])
 
 
+FIT = (None, None)  # a plot's range fitted to its points (an update's None would leave the last range in place)
+HEADROOM = 1.15  # above a range's highest point, so that point is drawn whole, not cut by the plot's edge
+
+
+def steps_axis(status: RunStatus) -> list[float | None]:
+    """Both plots' x range: the whole run, 0 to its last step and a little more, so a curve grows
+    towards the run's end, the two plots line up step for step, and an evaluation's point (at an
+    epoch's end, the last at the last step) is drawn whole; fitted to the points before the run
+    knows its steps."""
+    if not status.total_steps:
+        return list(FIT)
+    return [0, status.total_steps + max(1, status.total_steps // 40)]
+
+
+def values_axis(frame: pd.DataFrame, y: str) -> list[float | None]:
+    """A plot's y range: BLEU (a score from 0) from 0 to a little above its best; a curve of a
+    single value so far the same (vega would make an axis of that one value, labelled with all its
+    digits, "7.5975885391"); otherwise fitted to the curve."""
+    if y != "bleu" and frame[y].nunique() >= 2:
+        return list(FIT)
+    top = frame[y].max() if len(frame) else 0.0
+    return [0, round(top * HEADROOM, 2) if top > 0 else 1]
+
+
 def _signature(value) -> str:
     return value.to_json() if isinstance(value, pd.DataFrame) else repr(value)
 
@@ -110,10 +135,13 @@ def _signature(value) -> str:
 def live_view(
     tab: TrainTab, cache: dict | None, model_updates: Sequence[Callable[[], object]] = (), visitor: bool = True
 ) -> tuple:
-    """The timer's redraw: (cache, run text, loss, BLEU, samples, log tail, *model-list updates).
+    """The timer's redraw: (cache, run text, loss, BLEU, samples, log tail, action line,
+    *model-list updates).
 
     Only what changed since this page's last redraw is sent (gr.skip() otherwise), so plots do
-    not flicker and an open dropdown is not reset. ``model_updates`` make the updates of the
+    not flicker and an open dropdown is not reset. The action line (what the last Start / Stop /
+    Resume / Push said: "Stopping run ...") is cleared when the run comes to an end, so it never
+    contradicts the run text. ``model_updates`` make the updates of the
     model lists (the Train tab's base model, the Chat tab's picker) when the finished runs change.
     A ``visitor`` (not logged in) sees no validation rows of runs on possibly private data, and
     nobody sees the server's absolute folders."""
@@ -129,11 +157,28 @@ def live_view(
         "finals": tuple(path for _, path in tab.manager.finished_runs()),
     }
     cache = dict(cache or {})
+    state = f"{status.run_id}:{status.state}"
+    ended = cache.get("state") not in (None, state) and status.state in ENDED
+    cache["state"] = state
     changed = {}
     for key, value in values.items():
         signature = _signature(value)
         changed[key] = cache.get(key) != signature
         cache[key] = signature
-    out = [values[key] if changed[key] else gr.skip() for key in ("run", "loss", "bleu", "samples", "log")]
+    plots = {}
+    for key in ("loss", "bleu"):
+        limits = {"x_lim": steps_axis(status), "y_lim": values_axis(values[key], key)}
+        if cache.get(f"{key} limits") != repr(limits):
+            # gradio (6.31) draws a plot whose limits change anew, asynchronously, and points sent with
+            # the change can go to the drawing being replaced (a finished run's only BLEU point was never
+            # drawn): the points are sent again with the next redraw, to the new drawing.
+            plots[key] = gr.update(value=values[key], **limits)
+            cache[f"{key} limits"], cache[key] = repr(limits), "sent with new limits"
+        elif changed[key]:
+            plots[key] = values[key]
+    out = [
+        plots.get(key, values[key] if changed[key] else gr.skip()) for key in ("run", "loss", "bleu", "samples", "log")
+    ]
+    out.append("" if ended else gr.skip())
     out += [make() if changed["finals"] else gr.skip() for make in model_updates]
     return (cache, *out)

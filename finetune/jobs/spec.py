@@ -33,9 +33,15 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 # The app's preset: the Train tab's starting values where they differ from the CLI's defaults,
 # as TrainConfig overrides. "*" is for every base model, a model's own entry goes on top. They
 # are the README's CPU recipe (a run from the tab should show learning within minutes on the
-# sample); the 400M model keeps the CLI's learning rate (5e-5) and logging interval (10).
+# sample) except the train batch, 'auto' (finetune/memory.py: the largest that fits the GPU, 8 on
+# the CPU); the 400M model keeps the CLI's learning rate (5e-5) and logging interval (10).
 APP_PRESET: dict[str, dict] = {
-    "*": {"num_train_epochs": 3, "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "num_beams": 4},
+    "*": {
+        "num_train_epochs": 3,
+        "per_device_train_batch_size": "auto",
+        "per_device_eval_batch_size": 32,
+        "num_beams": 4,
+    },
     "tiny": {"learning_rate": 1e-3},  # the tiny model learns the sample fast
 }
 
@@ -114,6 +120,22 @@ def _typed(name: str, value, kind: type, optional: bool):
     return value
 
 
+def int_or_auto(name: str, value) -> int | str:
+    """A positive whole number or 'auto' (any case), as a form gives it ("16", 16 and 16.0 are 16),
+    for the batch size; ValueError naming ``name`` otherwise."""
+    number = value.strip() if isinstance(value, str) else value
+    if isinstance(number, str):
+        if number.lower() == "auto":
+            return "auto"
+        number = int(number) if number.isdigit() else number
+    elif isinstance(number, float) and number.is_integer():
+        number = int(number)
+    if isinstance(number, int) and not isinstance(number, bool) and number >= 1:
+        return number
+    shown = "nothing" if value is None or (isinstance(value, str) and not value.strip()) else repr(value)
+    raise ValueError(f"{name} must be a positive whole number or 'auto', got {shown}")
+
+
 def make_config(**values) -> TrainConfig:
     """A TrainConfig from loosely typed values (a form's, run.json's), each given its field's
     type first (see ``_typed``); then TrainConfig checks them as the CLI does.
@@ -127,6 +149,9 @@ def make_config(**values) -> TrainConfig:
     typed = {}
     for name, value in values.items():
         args = typing.get_args(_HINTS[name])
+        if set(args) == {int, str}:  # per_device_train_batch_size: a number or 'auto'
+            typed[name] = int_or_auto(name, value)
+            continue
         kind = next((a for a in args if a is not type(None)), _HINTS[name])
         typed[name] = _typed(name, value, kind, optional=type(None) in args)
     longest = typed.get("val_max_target_length") or typed.get("max_target_length", default("max_target_length"))
@@ -154,7 +179,7 @@ def check_limits(cfg: TrainConfig) -> None:
     """ValueError naming the first setting above its LIMITS bound, and the bound."""
     for name, limit in LIMITS.items():
         value = getattr(cfg, name)
-        if value is not None and value > limit:
+        if value is not None and value != "auto" and value > limit:
             raise ValueError(f"{name} must be at most {_number(limit)} for runs of the app, got {_number(value)}")
 
 
@@ -185,6 +210,27 @@ def _feedback(cfg: TrainConfig) -> dict:
             raise ValueError(f"{what} {value!r} must be in the data folder ({data_root()}): export or upload it")
         changes[name] = path
     return changes
+
+
+def checked_model(value: str) -> str:
+    """A run's base model: a preset, an allowed local model folder (as its resolved absolute
+    path) or a Hub id; ValueError saying why not otherwise."""
+    model = value.strip()
+    if not model:
+        raise ValueError("model is required (a preset such as 'tiny', a Hub id, or a finished run)")
+    if model in MODEL_PRESETS:
+        return model
+    path = local_path(model, "model")
+    if path is not None:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model {model!r} is not a model folder (no config.json)")
+        return str(path)
+    if not is_hub_id(model):
+        raise ValueError(
+            f"model {model!r} is not a preset ({', '.join(MODEL_PRESETS)}), a Hub id "
+            "('user/name') or an allowed local folder"
+        )
+    return model
 
 
 @dataclass
@@ -227,31 +273,12 @@ class JobSpec:
         for name in UNAVAILABLE:
             if getattr(cfg, name) != default(name):
                 raise ValueError(f"{name} writes outside the run folder: not available for runs of the app")
-        changes = {"model_name_or_path": self._model(cfg.model_name_or_path), **self._data(cfg), **_feedback(cfg)}
+        changes = {"model_name_or_path": checked_model(cfg.model_name_or_path), **self._data(cfg), **_feedback(cfg)}
         if cfg.hub_model_id is not None:
             changes["hub_model_id"] = cfg.hub_model_id.strip() or None
             if changes["hub_model_id"] and not is_hub_id(changes["hub_model_id"], owner=True):
                 raise ValueError(f"Hub model id must look like 'user/name', got {cfg.hub_model_id!r}")
         self.config = dataclasses.replace(cfg, **changes)
-
-    @staticmethod
-    def _model(value: str) -> str:
-        model = value.strip()
-        if not model:
-            raise ValueError("model is required (a preset such as 'tiny', a Hub id, or a finished run)")
-        if model in MODEL_PRESETS:
-            return model
-        path = local_path(model, "model")
-        if path is not None:
-            if not (path / "config.json").is_file():
-                raise ValueError(f"model {model!r} is not a model folder (no config.json)")
-            return str(path)
-        if not is_hub_id(model):
-            raise ValueError(
-                f"model {model!r} is not a preset ({', '.join(MODEL_PRESETS)}), a Hub id "
-                "('user/name') or an allowed local folder"
-            )
-        return model
 
     def _data(self, cfg: TrainConfig) -> dict:
         """The config's data fields checked (and the upload to split): local files resolved."""

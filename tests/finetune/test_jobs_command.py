@@ -36,7 +36,7 @@ def test_cpu_command_is_the_readme_recipe(tmp_path, monkeypatch):
     assert cfg == run_config(made, tmp_path / "run")
     assert (cfg.model_name_or_path, cfg.dataset_name, cfg.train_file) == ("tiny", "sample", None)
     assert (cfg.num_train_epochs, cfg.learning_rate, cfg.num_beams) == (8, 1e-3, 4)
-    assert (cfg.per_device_train_batch_size, cfg.per_device_eval_batch_size) == (16, 32)
+    assert (cfg.per_device_train_batch_size, cfg.per_device_eval_batch_size) == ("auto", 32)  # the app's preset
     assert (cfg.max_source_length, cfg.max_target_length, cfg.source_prefix) == (128, 64, "chatbot: ")
     assert cfg.output_dir == str((tmp_path / "run").resolve()) and cfg.resume_from_checkpoint is None
     assert not cfg.push_to_hub and cfg.checkpointing_steps is None
@@ -262,3 +262,13 @@ def test_the_shown_command_names_paths_relative_to_the_repository(roots, tmp_pat
     assert command.display_command(["python", f"--x={repo / '-odd'}", str(repo)]) == "python --x=./-odd ."
     preview = RunManager(repo / "runs").command_preview(made)
     assert preview.endswith("--output_dir 'runs/<run_id>'") and str(repo) not in preview
+
+
+@pytest.mark.parametrize("batch", ["auto", 24])
+def test_the_train_batch_reaches_the_cli_as_given(tmp_path, batch):
+    """'auto' (the Train tab's default: finetune.memory picks the batch in the run) and a number."""
+    argv = build_command(spec(per_device_train_batch_size=batch), tmp_path / "run")
+    flags = launcher_args(argv).training_script_args
+    assert flags[flags.index("--per_device_train_batch_size") + 1] == str(batch)
+    assert parse_args(flags).per_device_train_batch_size == batch
+    assert f"--per_device_train_batch_size {batch} " in command.display_command(argv)  # what Show command prints

@@ -17,7 +17,10 @@ from finetune.jobs.spec import APP_PRESET, LIMITS, JobSpec, _from_run_spec, app_
     [
         ({"num_train_epochs": 0}, "num_train_epochs must be >= 1"),
         ({"num_train_epochs": 2.5}, "num_train_epochs must be a whole number"),
-        ({"per_device_train_batch_size": None}, "per_device_train_batch_size is required"),
+        (
+            {"per_device_train_batch_size": None},
+            "per_device_train_batch_size must be a positive whole number or 'auto', got nothing",
+        ),
         ({"n_train": 0}, "n_train must be >= 1"),
         ({"learning_rate": 0}, "learning_rate must be > 0"),
         ({"learning_rate": float("nan")}, "learning_rate must be a finite number"),
@@ -112,7 +115,7 @@ def test_the_app_preset_is_one_dict_of_config_overrides():
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert all(set(overrides) <= fields for overrides in APP_PRESET.values())
     tiny, large = app_config("tiny"), app_config("facebook/blenderbot-400M-distill")
-    assert (tiny.num_train_epochs, tiny.per_device_train_batch_size, tiny.per_device_eval_batch_size) == (3, 16, 32)
+    assert (tiny.num_train_epochs, tiny.per_device_train_batch_size, tiny.per_device_eval_batch_size) == (3, "auto", 32)
     assert (tiny.num_beams, tiny.logging_steps, tiny.learning_rate) == (4, 10, 1e-3)
     assert large.learning_rate == 5e-5 == TrainConfig().learning_rate and large.num_train_epochs == 3
     assert app_defaults("tiny") == {**APP_PRESET["*"], "learning_rate": 1e-3}
@@ -199,3 +202,35 @@ def test_feedback_files_must_be_in_the_data_folder(roots, tmp_path):
         spec(feedback_file=str(write_jsonl(uploads / "fb.txt", good_rows(1))))
     with pytest.raises(ValueError, match="needs --feedback_file"):
         spec(feedback_validation_file=str(held))
+
+
+@pytest.mark.parametrize(
+    "value,expect", [("auto", "auto"), (" AUTO ", "auto"), ("16", 16), (16, 16), (16.0, 16), (65536, 65536)]
+)
+def test_the_train_batch_is_a_whole_number_or_auto(value, expect):
+    assert make_config(dataset_name="sample", per_device_train_batch_size=value).per_device_train_batch_size == expect
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("lots", "per_device_train_batch_size must be a positive whole number or 'auto', got 'lots'"),
+        ("2.5", "must be a positive whole number or 'auto', got '2.5'"),
+        (2.5, "must be a positive whole number or 'auto', got 2.5"),
+        (True, "must be a positive whole number or 'auto', got True"),
+        ("", "per_device_train_batch_size must be a positive whole number or 'auto', got nothing"),
+        (0, "must be a positive whole number or 'auto', got 0"),
+        ("-3", "must be a positive whole number or 'auto', got '-3'"),
+    ],
+)
+def test_the_train_batch_refuses_anything_else(value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config(dataset_name="sample", per_device_train_batch_size=value)
+
+
+def test_auto_passes_the_limits_and_round_trips_through_run_json(roots):
+    made = spec(per_device_train_batch_size="auto")
+    assert made.config.per_device_train_batch_size == "auto"
+    assert JobSpec.from_dict(made.to_dict()) == made
+    with pytest.raises(ValueError, match="per_device_train_batch_size must be at most 65,536"):
+        spec(per_device_train_batch_size="70000")

@@ -188,3 +188,49 @@ def test_auto_round_trips_through_a_yaml_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", str(path)])
     assert "whole number or 'auto'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the shape from config.json alone
+
+
+def test_local_shape_reads_a_model_folders_config(tiny_path):
+    from transformers import AutoConfig
+
+    from chat.layout import DEMO_DIR
+
+    for folder in (DEMO_DIR, tiny_path):
+        assert ModelShape.local(str(folder)) == ModelShape.from_config(AutoConfig.from_pretrained(folder))
+    assert ModelShape.local("tiny") == ModelShape.local(str(tiny_path))  # a built preset: its folder
+
+
+def test_local_shape_of_a_preset_not_built_yet_is_its_recipe(tmp_path, monkeypatch, tiny_path):
+    monkeypatch.setenv("PERSONA_CHAT_CACHE", str(tmp_path))  # nothing built here, and nothing gets built
+    assert ModelShape.local("random-400M") == SHAPE  # blenderbot-400M-distill's shape
+    recipe, built = ModelShape.local("tiny"), ModelShape.local(str(tiny_path))
+    assert recipe.d_model == built.d_model and recipe.params == pytest.approx(built.params, rel=0.05)
+    assert not any(tmp_path.iterdir())
+
+
+def test_local_shape_of_a_hub_id_comes_from_the_cache_only(tmp_path, monkeypatch):
+    import json
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("an estimate must not download")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_download)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert ModelShape.local("someone/not-cached") is None
+    assert ModelShape.local("not a repo id") is None
+    # the layout huggingface_hub caches a downloaded file in
+    repo = tmp_path / "models--someone--cached"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(vars(CONFIG_400M)))
+    assert ModelShape.local("someone/cached") == SHAPE
+    (snapshot / "config.json").write_text('{"d_model": 12}')  # not an encoder-decoder's config
+    assert ModelShape.local("someone/cached") is None

@@ -71,7 +71,7 @@ def plotted_steps(page, elem_id: str) -> list[int]:
 
 
 def fill(page, elem_id: str, value) -> None:
-    page.locator(f"#{elem_id} input").fill(str(value))
+    page.locator(f"#{elem_id} input, #{elem_id} textarea").first.fill(str(value))  # (the train batch is text)
 
 
 def test_chat_train_and_serve_the_new_model(served, page):

@@ -20,13 +20,14 @@ from hostile_files import parquet_bomb
 
 from chat.engine import DEFAULT_MODEL, DEMO_DIR
 from finetune import checkpoint as ckpt
+from finetune import memory
 from finetune.config import TrainConfig
 from finetune.jobs import paths
 from finetune.jobs import uploads as jobs_uploads
 from finetune.jobs.manager import RunManager
 from finetune.jobs.spec import JobSpec, app_config
 from finetune.jobs.status import RunStatus
-from webui import train_handlers, train_view
+from webui import train_handlers, train_preflight, train_view
 from webui import uploads as webui_uploads
 from webui.auth import AuthConfig
 
@@ -84,7 +85,7 @@ def test_default_form_is_a_valid_tiny_cpu_run(tab):
         values["per_device_eval_batch_size"],
         values["num_beams"],
         values["logging_steps"],
-    ) == (3, 16, 32, 4, 10)  # the app's preset
+    ) == (3, "auto", 32, 4, 10)  # the app's preset: the train batch picks itself
     spec = train_handlers.spec_from_form(tab, form(tab), None)
     assert spec == JobSpec(app_config("tiny", dataset_name="sample"))
     gpu_tab = train_handlers.TrainTab(manager=tab.manager, auth=tab.auth, gpus=2)
@@ -471,17 +472,28 @@ def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
 def test_live_view_sends_only_changes(tab):
     calls = []
     makers = (lambda: calls.append("train") or "train-models", lambda: calls.append("chat") or "chat-models")
-    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_view.live_view(
+    cache, run, loss, bleu, samples, log_tail, action, train_models, chat_models = train_view.live_view(
         tab, None, makers, visitor=False
     )
+    loss = loss["value"]  # a plot's update: its points and axes
     assert run.startswith("💤 No run yet") and list(loss.columns) == ["step", "loss"] and loss.empty
     assert log_tail == "" and (train_models, chat_models) == ("train-models", "chat-models")
+    assert action == gr.skip()  # the action line is left alone
 
+    cache, *again = train_view.live_view(tab, cache, makers)  # the plots' points again, to their new drawing
+    assert [type(value) for value in again[1:3]] == [pd.DataFrame] * 2 and again[1].empty
     cache, *again = train_view.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again) and calls == ["train", "chat"]
 
     run_dir = fake_finished_run(tab)
-    cache, run, loss, bleu, samples, log_tail, train_models, chat_models = train_view.live_view(tab, cache, makers)
+    cache, run, loss, bleu, samples, log_tail, action, train_models, chat_models = train_view.live_view(
+        tab, cache, makers
+    )
+    # both plots span the whole run (4 steps, and a little room for the last evaluation's point)
+    assert loss["x_lim"] == bleu["x_lim"] == [0, 5] and loss["y_lim"] == [None, None]  # (None: fitted)
+    assert bleu["y_lim"] == [0, 3.74]  # from 0 to a little above its best, 3.25: that point drawn whole
+    loss, bleu = loss["value"], bleu["value"]
+    assert action == ""  # the run ended since the last redraw: "Started run ..." / "Stopping run ..." goes
     assert "**Run 20250101-000000-abcdef**: finished" in run and "step 4 / 4 (100%)" in run and "BLEU 3.25" in run
     assert f"`runs/{run_dir.name}/final`" in run and str(tab.manager.root) not in run and "Model** list" in run
     pd.testing.assert_frame_equal(loss, pd.DataFrame({"step": [1, 2, 4], "loss": [7.5, 7.0, 6.5]}))
@@ -492,6 +504,11 @@ def test_live_view_sends_only_changes(tab):
         "reference": "hey",
     }
     assert log_tail.endswith("final model in final") and calls == ["train", "chat"] * 2
+    # gradio draws a plot anew when its limits change, and can drop points sent with them: sent again once
+    cache, *again = train_view.live_view(tab, cache, makers)
+    pd.testing.assert_frame_equal(again[1], loss)
+    pd.testing.assert_frame_equal(again[2], bleu)
+    assert all(value == gr.skip() for i, value in enumerate(again) if i not in (1, 2))
     cache, *again = train_view.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again)
 
@@ -508,10 +525,10 @@ def test_visitors_do_not_see_rows_of_uploaded_data_nor_server_paths(tab):
             f"12:00:00 INFO finetune: prompt: 'secret' | prediction: 'x' | reference: 'y'\n"
             f"12:00:01 INFO finetune: final model in {run_dir / 'final'}\n"
         )
-    _, run, _, _, samples, log_tail = train_view.live_view(tab, None, visitor=True)
+    _, run, _, _, samples, log_tail, _ = train_view.live_view(tab, None, visitor=True)
     assert samples.empty and "secret" not in log_tail
     assert str(tab.manager.root) not in run + log_tail and f"runs/{run_dir.name}/final" in log_tail
-    _, run, _, _, samples, log_tail = train_view.live_view(tab, None, visitor=False)  # the trainer sees them
+    _, run, _, _, samples, log_tail, _ = train_view.live_view(tab, None, visitor=False)  # the trainer sees them
     assert len(samples) == train_view.SAMPLES_SHOWN and "secret" in log_tail
     assert str(tab.manager.root) not in run + log_tail
 
@@ -618,3 +635,131 @@ def test_run_markdown_shows_bleu_by_kind_and_on_held_out_feedback():
     text = train_view.run_markdown(status)
     assert "BLEU 20.00" in text and "BLEU by kind: persona 30.5 · held-out chat feedback 8.2" in text
     assert "by kind" not in train_view.run_markdown(dataclasses.replace(status, bleu_parts={}))
+
+
+# --------------------------------------------------------------------------- the train batch and the pre-flight line
+
+H200 = ("NVIDIA H200", 139.8)  # (name, GiB) as torch reports the card
+
+
+def gpu_tab(tab, gpu=H200) -> train_handlers.TrainTab:
+    """The tab on a machine with one GPU (nothing here launches: only refusals and lines)."""
+    return dataclasses.replace(tab, gpus=1, gpu=gpu)
+
+
+def preflight(tab, **changes) -> str:
+    values = form(tab, **changes)
+    return train_handlers.preflight_markdown(tab, {name: values[name] for name in train_preflight.FIELDS})
+
+
+@pytest.mark.parametrize("value, expect", [("auto", "auto"), (" Auto ", "auto"), ("16", 16), (16, 16), (16.0, 16)])
+def test_the_train_batch_box_takes_a_positive_number_or_auto(tab, value, expect):
+    spec = train_handlers.spec_from_form(tab, form(tab, per_device_train_batch_size=value), None)
+    assert spec.config.per_device_train_batch_size == expect
+    shown = train_handlers.show_command(tab, None, form(tab, per_device_train_batch_size=value))
+    assert f"--per_device_train_batch_size {expect} " in shown  # what Start runs
+
+
+@pytest.mark.parametrize(
+    "value, shown", [("0", "'0'"), ("-4", "'-4'"), ("lots", "'lots'"), ("", "nothing"), (2.5, "2.5")]
+)
+def test_the_train_batch_box_refuses_anything_else_naming_itself(tab, value, shown):
+    message = f"Train batch (per device) must be a positive whole number or 'auto', got {shown}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_handlers.spec_from_form(tab, form(tab, per_device_train_batch_size=value), None)
+    assert preflight(tab, per_device_train_batch_size=value) == f"⚠️ **Pre-flight:** {message}"
+
+
+def test_preflight_on_the_cpu_says_auto_is_the_cpu_default_and_no_estimate_applies(tab):
+    line = preflight(tab)
+    assert line == (
+        "🧮 **Pre-flight:** CPU run: `auto` means the CPU default, 8 rows per process, and no GPU memory "
+        "estimate applies."
+    )
+    assert preflight(tab, per_device_train_batch_size="16").endswith("; this run: 16 rows per process.")
+    # what Start would refuse anyway says why here too
+    assert "'ddp' needs GPUs" in preflight(tab, strategy="ddp")
+    assert "1 GPU(s) asked for, 0 visible" in preflight(tab, num_gpus=1)
+    # a GPU machine's run on its CPU (0 GPUs chosen): the same
+    assert preflight(gpu_tab(tab), num_gpus=0, model_name_or_path="tiny").startswith("🧮 **Pre-flight:** CPU run")
+
+
+def test_preflight_on_a_gpu_estimates_memory_and_time_per_epoch(tab, monkeypatch):
+    monkeypatch.setenv("PERSONA_CHAT_CACHE", str(tab.data_root.parent / "no-presets"))  # the 400M recipe, not built
+    gpu = gpu_tab(tab)
+    shape = memory.ModelShape.local("random-400M")
+    setup = memory.Setup("zero2", "bf16", 1, 128, 64)
+    run = {"model_name_or_path": "random-400M", "num_gpus": 1, "precision": "bf16", "n_train": 10_000}
+    picked = memory.pick_batch(shape, setup, H200[1])
+    est = memory.estimate(shape, picked, setup, H200[1], gpu_name=H200[0], train_rows=1423)  # the whole sample
+    line = preflight(gpu, **run)
+    assert line == (
+        f"🧮 **Pre-flight:** `auto` picks {picked:,} rows per GPU: {memory.preflight_line(est)} (NVIDIA H200, bf16)."
+    )
+    assert "GiB peak per GPU of 140; ≈ " in line and " s per epoch" in line
+    fits = preflight(gpu, **run, per_device_train_batch_size="800")
+    est = memory.estimate(shape, 800, setup, H200[1], gpu_name=H200[0], train_rows=1423)
+    assert fits.startswith("🧮 **Pre-flight:** batch 800 per GPU: ") and memory.preflight_line(est) in fits
+    # the line follows the lengths and the strategy (cheap: no model is loaded)
+    shorter = preflight(gpu, **run, per_device_train_batch_size="800", max_source_length=32, max_target_length=16)
+    ddp = preflight(gpu, **run, per_device_train_batch_size="800", strategy="ddp")
+    assert len({fits, shorter, ddp}) == 3
+    # a model whose config is not on this machine: no estimate, nothing downloaded
+    unknown = preflight(gpu, **{**run, "model_name_or_path": "someone/not-here"})
+    assert "memory estimate unavailable" in unknown and "nothing is downloaded" in unknown
+
+
+def test_a_batch_that_will_not_fit_is_refused_before_start_naming_the_one_that_does(tab, monkeypatch):
+    monkeypatch.setenv("PERSONA_CHAT_CACHE", str(tab.data_root.parent / "no-presets"))
+    gpu = gpu_tab(tab)
+    run = {
+        "model_name_or_path": "random-400M",
+        "num_gpus": 1,
+        "precision": "bf16",
+        "per_device_train_batch_size": "4000",
+    }
+    fits = memory.pick_batch(memory.ModelShape.local("random-400M"), memory.Setup(), H200[1])
+    line = preflight(gpu, **run)
+    assert line.startswith("⛔ **Pre-flight:** --per_device_train_batch_size 4000 needs ≈ ")
+    assert f"{fits} fits" in line and "Start is refused until it fits" in line
+    with pytest.raises(gr.Error, match=f"{fits} fits") as refused:
+        train_handlers.start_run(gpu, logged_in(gpu), None, None, form(gpu, **run))
+    assert refused.value.title == "Cannot start a run" and tab.manager.runs() == []  # nothing launched
+    # without knowing the GPU's memory the tab cannot judge: no refusal, and the line says so
+    assert "GPU's memory is not known" in preflight(gpu_tab(tab, gpu=None), **run)
+    spec = train_handlers.spec_from_form(gpu, form(gpu, **run), None)
+    train_preflight.check_start(spec, None)  # (no refusal)
+
+
+def test_the_action_line_is_cleared_when_the_run_ends(tab, monkeypatch):
+    statuses = iter(
+        [
+            RunStatus(run_id="r", state="running"),
+            RunStatus(run_id="r", state="stopping"),
+            RunStatus(run_id="r", state="stopping"),
+            RunStatus(run_id="r", state="stopped"),
+            RunStatus(run_id="r", state="stopped"),
+            RunStatus(run_id="r", state="running"),
+        ]
+    )
+    monkeypatch.setattr(tab.manager, "status", lambda *a: next(statuses))
+    cache, actions = None, []
+    for _ in range(6):
+        cache, *out = train_view.live_view(tab, cache)
+        actions.append(out[5])
+    # "Stopping run r: ..." stays while it stops, and goes once it has stopped; a resume's message stays
+    assert actions == [gr.skip(), gr.skip(), gr.skip(), "", gr.skip(), gr.skip()]
+    monkeypatch.setattr(tab.manager, "status", lambda *a: RunStatus(run_id="r", state="finished"))
+    assert train_view.live_view(tab, None)[6] == gr.skip()  # a page opening on an ended run: nothing to clear
+
+
+def test_the_plots_axes_fit_the_run_and_never_show_a_lone_value(tab):
+    status = RunStatus(total_steps=120, loss_points=[{"step": 1, "loss": 7.59758}], bleu_points=[])
+    fitted = [None, None]  # an update's None would keep the range it replaces
+    assert train_view.steps_axis(status) == [0, 123] and train_view.steps_axis(RunStatus()) == fitted
+    assert train_view.values_axis(train_view.loss_frame(status), "loss") == [0, 8.74]  # one point: from 0
+    two = dataclasses.replace(status, loss_points=[{"step": 1, "loss": 7.5}, {"step": 2, "loss": 7.1}])
+    assert train_view.values_axis(train_view.loss_frame(two), "loss") == fitted  # a curve: fitted to it
+    assert train_view.values_axis(train_view.bleu_frame(two), "bleu") == [0, 1]  # BLEU: from 0, none yet
+    scored = dataclasses.replace(two, bleu_points=[{"step": 60, "bleu": 1.004}, {"step": 120, "bleu": 0.75}])
+    assert train_view.values_axis(train_view.bleu_frame(scored), "bleu") == [0, 1.15]

@@ -1,0 +1,144 @@
+"""The Train tab's pre-flight line: before Start, the estimated peak memory per GPU and time per
+epoch of the run the form describes (``finetune.memory``), and the refusal of a batch that will
+not fit.
+
+Cheap enough to recompute at every change of the form: the model's shape comes from its
+config.json alone (``memory.ModelShape.local``: a preset, a local folder or the Hugging Face
+cache; nothing is downloaded or loaded), the GPU's memory was read once at start-up
+(``TrainTab.gpu``). On the CPU there is no memory estimate: host memory is not the limit, and
+'auto' is the CLI's CPU default (``memory.CPU_BATCH``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from chat.layout import SAMPLE_DIR
+from finetune import memory
+from finetune.jobs.command import CONFIG_FILES, gpu_supports_bf16
+from finetune.jobs.spec import JobSpec, int_or_auto, make_config
+
+BATCH_LABEL = "Train batch (per device)"
+# The form's fields the line depends on (the tab recomputes it when one changes).
+FIELDS = (
+    "model_name_or_path",
+    "data_source",
+    "n_train",
+    "per_device_train_batch_size",
+    "max_source_length",
+    "max_target_length",
+    "strategy",
+    "precision",
+    "num_gpus",
+)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    text: str  # the line the tab shows (markdown)
+    refusal: str | None = None  # why Start is refused (the batch will not fit), None when it may start
+
+
+def parse_batch(value) -> int | str:
+    """The form's train batch: a positive whole number or 'auto' (any case); ValueError naming the
+    box otherwise. Numbers from API clients (16, 16.0) are taken too."""
+    return int_or_auto(BATCH_LABEL, value)
+
+
+@functools.cache
+def sample_rows() -> int:
+    """Rows of the shipped sample's train split (for the time per epoch)."""
+    with open(SAMPLE_DIR / "train.jsonl", "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def _setup(spec: JobSpec) -> memory.Setup:
+    """How the run holds the model, as the memory model knows it (finetune.memory.resolve_batch
+    works it out the same way inside the run)."""
+    cfg = spec.config
+    if spec.precision == "fp32":
+        precision = "no"
+    elif spec.precision == "auto":
+        precision = "bf16" if gpu_supports_bf16() else "fp16"
+    else:
+        precision = spec.precision
+    return memory.Setup(
+        strategy=memory.strategy_of(CONFIG_FILES[spec.strategy], spec.num_gpus),
+        precision=precision,
+        processes=spec.num_gpus,
+        source_len=cfg.max_source_length,
+        target_len=cfg.max_target_length,
+        attention="eager" if cfg.attention == "eager" else "sdpa",
+    )
+
+
+def assess(spec: JobSpec, gpu: tuple[str, float] | None, train_rows: int | None = None) -> Preflight:
+    """The pre-flight line of ``spec`` on GPUs described by ``gpu`` ((name, total GiB) of one;
+    None: not known), and the refusal of a batch that will not fit."""
+    batch = spec.config.per_device_train_batch_size
+    if spec.num_gpus == 0:
+        text = (
+            f"CPU run: `auto` means the CPU default, {memory.CPU_BATCH} rows per process, and no GPU memory "
+            "estimate applies"
+        )
+        return Preflight(
+            f"🧮 **Pre-flight:** {text}" + (f"; this run: {batch} rows per process." if batch != "auto" else ".")
+        )
+    model = spec.config.model_name_or_path
+    shape = memory.ModelShape.local(model)
+    if shape is None:  # (a local folder has a config.json: JobSpec checked; named here only as "this model")
+        shown = "this model" if Path(model).is_absolute() else f"`{model}`"
+        return Preflight(
+            f"🧮 **Pre-flight:** memory estimate unavailable: the config of {shown} is not on this machine "
+            "(nothing is downloaded for an estimate); the run reads it when it starts"
+            + (" and works out `auto` then." if batch == "auto" else ".")
+        )
+    if gpu is None:
+        return Preflight("🧮 **Pre-flight:** memory estimate unavailable: this GPU's memory is not known.")
+    name, capacity = gpu
+    setup = _setup(spec)
+    try:
+        picked = memory.pick_batch(shape, setup, capacity) if batch == "auto" else batch
+        memory.check_fits(shape, picked, setup, capacity)
+    except memory.BatchTooLarge as err:
+        return Preflight(f"⛔ **Pre-flight:** {err}. Start is refused until it fits.", refusal=str(err))
+    est = memory.estimate(shape, picked, setup, capacity, gpu_name=name, train_rows=train_rows)
+    what = f"`auto` picks {picked:,} rows per GPU" if batch == "auto" else f"batch {picked:,} per GPU"
+    return Preflight(f"🧮 **Pre-flight:** {what}: {memory.preflight_line(est)} ({name}, {setup.precision}).")
+
+
+def preflight(gpus: int, gpu: tuple[str, float] | None, values: Mapping) -> Preflight:
+    """The pre-flight line of the form's ``values`` (FIELDS name -> value), checked as Start
+    checks them; a value Start would refuse shows its reason instead."""
+    try:
+        spec = JobSpec(
+            make_config(
+                model_name_or_path=values["model_name_or_path"] or "",
+                dataset_name="sample",  # the data does not change the memory; its rows are counted below
+                n_train=values["n_train"] or None,
+                per_device_train_batch_size=parse_batch(values["per_device_train_batch_size"]),
+                max_source_length=values["max_source_length"],
+                max_target_length=values["max_target_length"],
+            ),
+            strategy=values["strategy"],
+            precision=values["precision"],
+            num_gpus=values["num_gpus"] or 0,
+        )
+        if spec.num_gpus > gpus:
+            raise ValueError(f"{spec.num_gpus} GPU(s) asked for, {gpus} visible on this machine")
+    except ValueError as err:
+        return Preflight(f"⚠️ **Pre-flight:** {err}")
+    rows = spec.config.n_train  # another dataset's size is not known before the run loads it
+    if values["data_source"] == "sample":
+        rows = min(rows or sample_rows(), sample_rows())
+    return assess(spec, gpu, train_rows=rows)
+
+
+def check_start(spec: JobSpec, gpu: tuple[str, float] | None) -> None:
+    """BatchTooLarge (naming the batch that fits) when the run's batch will not fit its GPUs."""
+    refusal = assess(spec, gpu).refusal
+    if refusal:
+        raise memory.BatchTooLarge(refusal)
