@@ -4,13 +4,16 @@ chromium through Playwright) on a desktop (1366x900) and on a phone (390x844):
 - a saved chat, opened from the saved-chats list (also after a reload), gets back the kind, context
   and generation settings it was written with; New chat keeps the settings on the page;
 - a model swapped on one page (a logged-in trainer's Load) is named in another page's serving banner
-  by its next reply, and on opening its Chat tab, without a reload.
+  by its next reply, and on opening its Chat tab, without a reload;
+- the model picker shows every model's validation BLEU (the demo model's too), and a model that
+  scored below the serving one is loaded only after a warning and a second Load.
 
 Screenshots: in ``$PERSONA_CHAT_SCREENSHOTS`` if set, else a pytest temporary folder (printed).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -32,6 +35,9 @@ CHEF = "I am a chef who loves spicy food."
 def served(tmp_path_factory):
     app = App(tmp_path_factory.mktemp("browser-chat-state"), auth.AuthConfig(password=PASSWORD))
     shutil.copytree(DEMO_DIR, app.runs / "second" / "final")  # a finished run the model picker lists
+    worse = app.runs / "worse" / "final"  # and one that scored far below the demo model
+    shutil.copytree(DEMO_DIR, worse)
+    (worse / "all_results.json").write_text(json.dumps({"eval_bleu": 1.7}))
     yield app
     app.close()
 
@@ -210,4 +216,38 @@ def test_other_pages_name_the_new_model_after_a_swap(open_page, served):
         b.shot("5-banner-on-tab-select")
     finally:
         if served.engine.current.name != str(DEMO_DIR):  # the next viewport starts from the demo model
+            served.engine.swap(str(DEMO_DIR))
+
+
+def login(page) -> None:
+    page.get_by_role("tab", name="Train").click()
+    page.locator("#train-password input").fill(PASSWORD)
+    page.locator("#train-login").click()
+    expect(page.locator("#train-auth")).to_contain_text("Logged in")
+    page.get_by_role("tab", name="Chat").click()
+
+
+def test_the_picker_shows_bleu_and_warns_before_a_worse_model(open_page, served):
+    page = open_page("a")
+    login(page)
+    if not page.locator("#model-picker input").is_visible():
+        page.get_by_role("button", name=re.compile("^Model")).click()
+    page.locator("#model-picker input").click()
+    options = page.get_by_role("option")
+    expect(options.filter(has_text="demo model")).to_contain_text("BLEU 60.0")
+    expect(options.filter(has_text="worse/final")).to_contain_text("BLEU 1.7")
+    page.shot("6-picker-with-bleu")
+    options.filter(has_text="worse/final").click()
+    note, banner = page.locator("#model-load-note"), page.locator("#serving-status")
+    try:
+        page.locator("#model-load").click()
+        expect(note).to_contain_text("scored BLEU 1.7 on its validation data, below the serving model's 60.0")
+        expect(note).to_contain_text("Press Load again")
+        expect(banner).to_contain_text("Serving demo model")  # nothing swapped yet
+        page.shot("7-worse-model-warning")
+        page.locator("#model-load").click()  # asked twice: the user means it
+        expect(note).to_contain_text("Now serving worse/final", timeout=60_000)
+        expect(banner).to_contain_text("Serving worse/final")
+    finally:
+        if served.engine.current.name != str(DEMO_DIR):
             served.engine.swap(str(DEMO_DIR))
