@@ -54,6 +54,31 @@ def summarize(kernels: dict[str, float], wall_ms: float, steps: int) -> dict:
     }
 
 
+GAP_SIZES = ((0.01, "< 10 µs"), (0.1, "10-100 µs"), (1.0, "0.1-1 ms"), (float("inf"), ">= 1 ms"))
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
+    """The stretches with no kernel running (µs spans, any stream): their count and milliseconds by
+    size (many short gaps: the CPU launching too slowly; a few long ones: syncs), and the longest,
+    each with the kernels either side."""
+    gaps, busy_until, before = [], None, None
+    for start, end, name in sorted(spans):
+        if busy_until is not None and start > busy_until:
+            gaps.append({"ms": (start - busy_until) / 1000, "after": before[:100], "before": name[:100]})
+        if busy_until is None or end > busy_until:
+            busy_until, before = end, name
+    by_size = {label: {"count": 0, "ms": 0.0} for _, label in GAP_SIZES}
+    for gap in gaps:
+        label = next(label for limit, label in GAP_SIZES if gap["ms"] < limit)
+        by_size[label]["count"] += 1
+        by_size[label]["ms"] += gap["ms"]
+    return {
+        "total_ms": sum(g["ms"] for g in gaps),
+        "by_size": by_size,
+        "longest": sorted(gaps, key=lambda g: -g["ms"])[:top],
+    }
+
+
 class Profile:
     """Call ``at(step)`` before each step: profiles steps ``first`` .. ``first + steps - 1``."""
 
@@ -81,11 +106,15 @@ class Profile:
 
     def write(self, wall_ms: float, cuda: bool) -> None:
         kernels: dict[str, float] = {}
+        spans = []  # (start µs, end µs, name) of every kernel, for the idle gaps between them
         for e in self.prof.events():
             on_device = e.device_type == torch.autograd.DeviceType.CUDA
             if cuda and on_device:
                 kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1000
+                spans.append((e.time_range.start, e.time_range.end, e.name))
             elif not cuda and not e.cpu_children:  # the CPU: leaf operators' own time
                 kernels[e.name] = kernels.get(e.name, 0.0) + e.self_cpu_time_total / 1000
         report = summarize(kernels, wall_ms, self.steps)
+        report["kernels_per_step"] = len(spans) / self.steps
+        report["idle_gaps"] = idle_gaps(spans)
         (self.out / "profile.json").write_text(json.dumps(report, indent=1))

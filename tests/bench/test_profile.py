@@ -1,6 +1,6 @@
 """bench/profile.py: kernel names fall into the groups the speed targets ask about."""
 
-from bench.profile import group_of, summarize
+from bench.profile import group_of, idle_gaps, summarize
 
 
 def test_kernels_are_grouped_by_kind():
@@ -24,3 +24,16 @@ def test_summary_is_per_step_and_sorted():
     assert report["busy_share"] == 0.5
     assert list(report["groups_ms_per_step"].items()) == [("gemm", 20.0), ("layer norm", 3.0), ("other", 2.0)]
     assert report["top_kernels_ms_per_step"][0] == {"kernel": "gemm_a", "group": "gemm", "ms": 15.0}
+
+
+def test_idle_gaps_are_the_stretches_no_kernel_covers():
+    spans = [(0, 100, "a"), (50, 300, "b"), (1300, 1400, "c"), (1405, 1500, "d"), (1480, 1490, "e")]
+    gaps = idle_gaps(spans)
+    assert gaps["longest"] == [
+        {"ms": 1.0, "after": "b", "before": "c"},  # 300 -> 1300 µs; "a" ended inside "b"
+        {"ms": 0.005, "after": "c", "before": "d"},
+    ]
+    assert gaps["total_ms"] == 1.005
+    assert gaps["by_size"][">= 1 ms"] == {"count": 1, "ms": 1.0}
+    assert gaps["by_size"]["< 10 µs"] == {"count": 1, "ms": 0.005}
+    assert gaps["by_size"]["10-100 µs"]["count"] == 0
