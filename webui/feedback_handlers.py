@@ -99,13 +99,16 @@ def chat_fn(engine: ChatEngine):
         kept = {i: r for i, r in (replies or {}).items() if isinstance(i, int) and i < index}
         pinned = _Pinned(engine)
         inputs = (kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed)
+        banner, banner_of = None, None  # written once per model that answers, not once per streamed chunk
         for reply, meter in chat_handlers.chat_fn(pinned)(message, history, *inputs):
             if isinstance(reply, str) and pinned.model is not None:
                 record = {"model": pinned.model, "kind": kind or "none", "context": context or ""}
                 kept[index] = {**record, "reply": reply, "original": reply}
             else:  # a notice: nothing to rate
                 kept.pop(index, None)
-            yield reply, meter, chat_handlers.serving_markdown(engine, pinned.loaded), dict(kept)
+            if banner is None or pinned.loaded is not banner_of:
+                banner, banner_of = chat_handlers.serving_markdown(engine, pinned.loaded), pinned.loaded
+            yield reply, meter, banner, dict(kept)
 
     return respond
 
