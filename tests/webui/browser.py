@@ -12,6 +12,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     expect = sync_playwright = None
 
 CHROMIUM = Path("/usr/bin/chromium")
+VIEWPORTS = {"desktop": {"width": 1366, "height": 900}, "phone": {"width": 390, "height": 844}}  # what users have
 needs_browser = pytest.mark.skipif(
     sync_playwright is None or not CHROMIUM.exists(),
     reason="browser test needs Playwright (`pip install playwright`) and Debian's chromium (/usr/bin/chromium, "

@@ -14,14 +14,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from browser import CHROMIUM, expect, needs_browser, screenshot_folder, shout, sync_playwright
+from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
 from served_app import App
 
 from webui import auth, chat_handlers, chat_tab
 
 pytestmark = needs_browser
 
-VIEWPORTS = {"desktop": {"width": 1366, "height": 900}, "phone": {"width": 390, "height": 844}}
 AA = 4.5  # WCAG AA contrast for normal-size text
 
 
@@ -37,14 +36,6 @@ def shots(tmp_path_factory, request):
     folder = screenshot_folder(tmp_path_factory, "screenshots")
     yield folder
     shout(request, f"chat browser screenshots: {folder}")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(params=list(VIEWPORTS))

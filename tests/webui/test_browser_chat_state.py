@@ -18,7 +18,7 @@ import re
 import shutil
 
 import pytest
-from browser import CHROMIUM, expect, needs_browser, screenshot_folder, shout, sync_playwright
+from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
 from served_app import App
 
 from chat.engine import DEMO_DIR
@@ -26,7 +26,6 @@ from webui import auth, chat_handlers
 
 pytestmark = needs_browser
 
-VIEWPORTS = {"desktop": {"width": 1366, "height": 900}, "phone": {"width": 390, "height": 844}}
 PASSWORD = "browser-chat-state-password"
 CHEF = "I am a chef who loves spicy food."
 
@@ -47,14 +46,6 @@ def shots(tmp_path_factory, request):
     folder = screenshot_folder(tmp_path_factory, "screenshots")
     yield folder
     shout(request, f"chat state browser screenshots: {folder}")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(params=list(VIEWPORTS))

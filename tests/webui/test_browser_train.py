@@ -18,7 +18,7 @@ import re
 import time
 
 import pytest
-from browser import CHROMIUM, expect, needs_browser, screenshot_folder, shout, sync_playwright
+from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
 from served_app import App
 
 from chat.engine import DEFAULT_MODEL
@@ -27,7 +27,6 @@ from webui import auth, train_handlers, train_view
 
 pytestmark = needs_browser
 
-VIEWPORTS = {"desktop": {"width": 1366, "height": 900}, "phone": {"width": 390, "height": 844}}
 PASSWORD = "browser-train-password"
 POINT = "[aria-label^='step: ']"  # vega draws one labelled mark per data point
 NUMBER = re.compile(r"-?[\d,]+(\.\d{1,2})?")  # an axis tick: a number with at most 2 decimals
@@ -61,14 +60,6 @@ def shots(tmp_path_factory, request):
     shout(
         request, f"train browser screenshots: {folder}\ntrain browser timings: {timings}; module {total:.0f} s{notes}"
     )
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module", params=list(VIEWPORTS))
