@@ -28,6 +28,7 @@ from bench.common import (
     versions,
     write_json,
 )
+from chat.batching import graph_mode
 from chat.engine import GENERATION_PRESETS, ChatEngine, Conversation, load_checkpoint
 from chat.model import ModelLoadError
 from chat.optimize import memory_mib
@@ -51,16 +52,47 @@ def prompt_set(n: int) -> list[tuple[Conversation, str]]:
     return out
 
 
-def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats: int, concurrency: int) -> dict:
+def plain_generate(engine: ChatEngine, prompts, settings, repeats: int) -> dict:
+    """The baseline: the same prompts through transformers' generate() as it comes (no batcher,
+    no chat.fastgen, no CUDA graphs), timed the same way; and its replies, to compare with."""
+    replies, latencies = [], []
+    for repeat in range(repeats + 1):  # the first pass warms up
+        for conv, message in prompts:
+            loaded, encoded, _, kwargs = engine._prepare(conv, message, settings)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                inputs = {k: v.to(loaded.model.device) for k, v in encoded.items()}
+                out = loaded.model.generate(**inputs, **kwargs)
+            if repeat:
+                latencies.append(time.perf_counter() - t0)
+            else:
+                replies.append(engine._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)))
+    return {"p50": percentile(latencies, 50), "p95": percentile(latencies, 95), "replies": replies}
+
+
+def bench_variant(
+    spec: str, variant: str, prompts, reply_tokens: int, repeats: int, concurrency: int, plain: bool = False
+) -> dict:
+    """One variant, ``optimize[:graphs]`` (graphs: CHAT_CUDA_GRAPHS's capture, compile or off)."""
+    optimize, _, graphs = variant.partition(":")
     rss_before = memory_mib()["rss"]
     start = time.perf_counter()
     engine = ChatEngine(load_checkpoint(spec, optimize=optimize), f"bench {spec}")
+    if graphs:
+        engine._batcher.cuda_graphs = graph_mode(graphs)
     load_s = time.perf_counter() - start
-    engine.warm_up()  # compiles the GPU CUDA-graph decoding once, as ChatEngine.start does
-    result = {"optimize": optimize, "load_seconds": load_s, "device": str(engine.current.model.device)}
+    engine.warm_up()  # prepares the GPU CUDA-graph decoding, as ChatEngine.start does
+    warm_s = time.perf_counter() - start - load_s
+    result = {
+        "optimize": optimize,
+        "graphs": engine._batcher.cuda_graphs,
+        "load_seconds": load_s,
+        "warm_up_seconds": warm_s,
+        "device": str(engine.current.model.device),
+    }
     for name, preset in GENERATION_PRESETS.items():
         settings = replace(preset, min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
-        engine.reply(*prompts[0], settings)  # warm-up
+        replies = [engine.reply(conv, message, settings)[0] for conv, message in prompts]  # also warms up
         latencies, first = [], []
         for _ in range(repeats):
             for conv, message in prompts:
@@ -78,7 +110,10 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
             "p50": percentile(latencies, 50),
             "p95": percentile(latencies, 95),
             "first_text_p50": percentile(first, 50) if first else None,
+            "replies": replies,
         }
+        if plain:
+            result[f"plain_{name}"] = plain_generate(engine, prompts, settings, repeats)
     # Throughput: the same chats one by one, then all at once (batched by the engine).
     settings = replace(GENERATION_PRESETS["fast"], min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
     chats = (prompts * concurrency)[:concurrency]
@@ -101,6 +136,13 @@ def bench_variant(spec: str, optimize: str, prompts, reply_tokens: int, repeats:
     return result
 
 
+def same_replies(result: dict, base: dict, preset: str) -> str:
+    """How many of ``result``'s replies for ``preset`` are those of ``base`` (plain generate or
+    the first variant), e.g. ``8/8``."""
+    ours, theirs = result[preset]["replies"], base["replies"]
+    return f"{sum(a == b for a, b in zip(ours, theirs))}/{len(theirs)}"
+
+
 def table(results: list[dict]) -> str:
     base = results[0]
     header = [
@@ -110,21 +152,39 @@ def table(results: list[dict]) -> str:
         "first text p50",
         "faithful p50",
         "faithful p95",
+        "same replies as plain/first (fast, faithful)",
         f"{base['throughput']['concurrency']} chats: one by one → together (replies/s)",
         "RSS GiB",
     ]
     rows = []
     for r in results:
+        if "plain_fast" in r:  # the baseline: transformers' generate() as it comes, same prompts
+            f, b = r["plain_fast"], r["plain_faithful"]
+            rows.append(
+                [
+                    f"plain generate, {r['optimize']}",
+                    f"{f['p50']:.3f} s",
+                    f"{f['p95']:.3f} s",
+                    "–",
+                    f"{b['p50']:.3f} s",
+                    f"{b['p95']:.3f} s",
+                    "–",
+                    "–",
+                    "–",
+                ]
+            )
         f, b, t = r["fast"], r["faithful"], r["throughput"]
         speed = base["fast"]["p50"] / f["p50"]
+        ref = {p: base.get(f"plain_{p}", base[p]) for p in ("fast", "faithful")}
         rows.append(
             [
-                f"{r['optimize']} ({r['device']})",
+                f"{r['optimize']}, graphs {r.get('graphs', '?')} ({r['device']})",
                 f"{f['p50']:.3f} s ({speed:.2f}x)",
                 f"{f['p95']:.3f} s",
                 f"{f['first_text_p50']:.3f} s",
                 f"{b['p50']:.3f} s",
                 f"{b['p95']:.3f} s",
+                f"{same_replies(r, ref['fast'], 'fast')}, {same_replies(r, ref['faithful'], 'faithful')}",
                 f"{t['sequential_replies_per_s']:.2f} → {t['concurrent_replies_per_s']:.2f}",
                 f"{r['rss_gib']:.2f}",
             ]
@@ -139,7 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         default="facebook/blenderbot-400M-distill",
         help="checkpoint to time; falls back to random-400M when the Hub is unreachable",
     )
-    parser.add_argument("--optimize", default="none,auto", help="comma-separated variants: none, bf16, int8, auto")
+    parser.add_argument(
+        "--optimize",
+        default="none,auto",
+        help="comma-separated variants: none, bf16, int8 or auto, each optionally with :capture, :compile "
+        "or :off for its CUDA graphs on a GPU (e.g. none:compile,none:capture)",
+    )
+    parser.add_argument("--plain", action="store_true", help="also time transformers' plain generate() (first variant)")
     parser.add_argument("--reply_tokens", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
@@ -156,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         spec, weights = "random-400M", "random-init weights (Hub unreachable)"
     prompts = prompt_set(args.prompts)
     results = [
-        bench_variant(spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency)
-        for v in args.optimize.split(",")
+        bench_variant(spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency, args.plain and i == 0)
+        for i, v in enumerate(args.optimize.split(","))
     ]
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()

@@ -16,11 +16,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from chat import graphs
 from chat.fastgen import fast_kwargs
 from chat.optimize import optimization_of
 
@@ -103,14 +105,26 @@ def _cuda_graph_thread_state() -> None:
         log.warning("could not prepare CUDA-graph state for the chat worker thread: %s", err)
 
 
+GRAPH_MODES = {"capture": "capture", "1": "capture", "compile": "compile", "off": "off", "0": "off"}
+
+
+def graph_mode(value: str) -> str:
+    """CHAT_CUDA_GRAPHS's value as a mode; anything unknown is an error, not a silent default."""
+    mode = GRAPH_MODES.get(value.strip().lower())
+    if mode is None:
+        raise ValueError(f"CHAT_CUDA_GRAPHS must be capture, compile or off (1/0), got {value!r}")
+    return mode
+
+
 class Batcher:
     """One worker thread that runs generate() for queued requests, batching compatible ones."""
 
     def __init__(self, window_s: float = 0.01, max_batch: int = 8):
         self.window_s, self.max_batch = window_s, max_batch
-        # On a GPU, greedy/sampling as CUDA graphs (chat.fastgen) unless CHAT_CUDA_GRAPHS=0;
-        # the engine turns it off if compiling them fails.
-        self.cuda_graphs = os.environ.get("CHAT_CUDA_GRAPHS", "1") != "0"
+        # How decoding uses CUDA graphs on a GPU (CHAT_CUDA_GRAPHS): "capture" (chat.graphs, every
+        # strategy), "compile" (transformers' compiled static cache, greedy and sampling only) or
+        # "off"; the engine turns it off if warming up fails.
+        self.cuda_graphs = graph_mode(os.environ.get("CHAT_CUDA_GRAPHS", "capture"))
         self._queue: queue.Queue[Request] = queue.Queue()
         self._held: list[Request] = []  # taken from the queue but not compatible with the last batch
         threading.Thread(target=self._loop, daemon=True, name="chat-batcher").start()
@@ -160,10 +174,12 @@ class Batcher:
             inputs = {
                 k: v.to(model.device) for k, v in _pad([r.encoded for r in batch], tokenizer.pad_token_id).items()
             }
-            with torch.inference_mode():
-                out = model.generate(
-                    **inputs, streamer=fan, **fast_kwargs(kwargs, inputs["input_ids"], self.cuda_graphs)
-                )
+            ids = inputs["input_ids"]
+            capture = self.cuda_graphs == "capture" and model.device.type == "cuda"
+            step_graphs = graphs.for_model(model).decoding(model, ids, kwargs) if capture else nullcontext({})
+            with torch.inference_mode(), step_graphs as cache:
+                compiled = self.cuda_graphs == "compile"
+                out = model.generate(**inputs, streamer=fan, **fast_kwargs({**kwargs, **cache}, ids, compiled))
         except BaseException as err:  # every waiting request learns about it
             if fan:
                 fan.end()

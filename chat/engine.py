@@ -282,28 +282,33 @@ class ChatEngine:
         return self.status
 
     def warm_up(self, loaded: LoadedModel | None = None) -> None:
-        """On a GPU, compile the CUDA-graph decoding of ``loaded`` (default: the current model)
-        before users wait for it: two input lengths and a full batch, so every later shape is
-        covered by the dynamic-shape graph. ~20-40 s once; nothing to do on a CPU."""
+        """On a GPU, prepare the CUDA-graph decoding of ``loaded`` (default: the current model)
+        before users wait for it. ``capture`` records the first shapes (milliseconds each; later
+        shapes record on first use); ``compile`` compiles greedy decoding for two input lengths and
+        a full batch, so every later shape is covered by the dynamic-shape graph (~20-40 s)."""
         loaded = loaded or self._current
-        if loaded.model.device.type != "cuda" or not self._batcher.cuda_graphs:
+        mode = self._batcher.cuda_graphs
+        if loaded.model.device.type != "cuda" or mode == "off":
             return
-        log.info("compiling GPU decoding for %s (once, ~30 s)", loaded.name)
-        kwargs = GENERATION_PRESETS["fast"].generate_kwargs()
+        log.info("preparing GPU decoding for %s (CUDA graphs: %s)", loaded.name, mode)
+        presets = ["fast", "faithful"] if mode == "capture" else ["fast"]
         messages = ["hello", "hello there, how has your day been so far? mine was long."]
         try:
-            for message in messages:
-                encoded, _ = self.build_input(Conversation(turns=[message]), loaded)
-                self._generate(loaded, encoded, kwargs)
-            batch = [
-                self.build_input(Conversation(turns=[f"hello {'and ' * i}bye"]), loaded)[0]
-                for i in range(self._batcher.max_batch)
-            ]
-            for future in [self._batcher.submit(loaded, encoded, kwargs) for encoded in batch]:
-                future.result()
+            for name in presets:
+                kwargs = GENERATION_PRESETS[name].generate_kwargs()
+                for message in messages:
+                    encoded, _ = self.build_input(Conversation(turns=[message]), loaded)
+                    self._generate(loaded, encoded, kwargs)
+            if mode == "compile":
+                batch = [
+                    self.build_input(Conversation(turns=[f"hello {'and ' * i}bye"]), loaded)[0]
+                    for i in range(self._batcher.max_batch)
+                ]
+                for future in [self._batcher.submit(loaded, encoded, kwargs) for encoded in batch]:
+                    future.result()
         except Exception as err:  # e.g. no compiler for Triton: serve as before, only slower
             log.warning("CUDA-graph decoding failed (%s: %s); serving without it", type(err).__name__, err)
-            self._batcher.cuda_graphs = False
+            self._batcher.cuda_graphs = "off"
 
     # --- input
     def build_input(self, conv: Conversation, loaded: LoadedModel | None = None) -> tuple[dict, Budget]:

@@ -13,14 +13,13 @@
    input, and beams never move between inputs, so that copy changes nothing. On H200s it was
    over half of evaluation time.
 
-3. On a GPU, greedy and sampled replies use transformers' static cache, which makes generate()
-   compile the decoder step into CUDA graphs (``cache_implementation="static"``). A 400M decoder
-   step is well under 1 ms of kernel time but ~7 ms of Python and kernel launches; one H200
-   went from 0.18 s to 0.08-0.09 s for a 24-token reply, token-for-token the same
-   (docs/chat-benchmarks.md). The first call of a new shape compiles (~20 s): the engine warms
-   up before it serves. Beam search is left eager (transformers does not compile it).
+3. On a GPU, with ``cuda_graphs``, greedy and sampled replies use transformers' static cache,
+   which makes generate() compile the decoder step into CUDA graphs
+   (``cache_implementation="static"``; ~60 s of compiling per model, beam search left eager). The
+   chat engine does this only with ``CHAT_CUDA_GRAPHS=compile``: its default, ``chat.graphs``,
+   records the step itself for every strategy in about a second (docs/chat-benchmarks.md).
 
-``fast_kwargs`` turns generate() keyword arguments into ones that use all three.
+``fast_kwargs`` turns generate() keyword arguments into ones that use these.
 """
 
 from __future__ import annotations

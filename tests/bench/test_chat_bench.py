@@ -22,7 +22,8 @@ def test_bench_smoke(tmp_path, capsys):
                 "--model",
                 str(DEMO_DIR),
                 "--optimize",
-                "none,int8",
+                "none:capture,int8",
+                "--plain",
                 "--prompts",
                 "2",
                 "--repeats",
@@ -40,8 +41,25 @@ def test_bench_smoke(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert "real weights" in data["header"]
     assert [r["optimize"] for r in data["results"]] == ["none", "int8"]
+    assert data["results"][0]["graphs"] == "capture"  # asked for; on a CPU it changes nothing
+    plain = data["results"][0]["plain_faithful"]
+    assert 0 < plain["p50"] <= plain["p95"] and len(plain["replies"]) == 2
+    # The engine (fastgen, batcher) writes the replies plain generate() writes, on the same model.
+    assert data["results"][0]["faithful"]["replies"] == plain["replies"]
+    assert data["results"][0]["fast"]["replies"] == data["results"][0]["plain_fast"]["replies"]
     for r in data["results"]:
         assert 0 < r["fast"]["first_text_p50"] <= r["fast"]["p50"] <= r["fast"]["p95"]
         assert 0 < r["faithful"]["p50"] <= r["faithful"]["p95"]
         assert r["throughput"]["concurrent_replies_per_s"] > 0 and r["rss_gib"] > 0
-    assert "| none" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| plain generate, none" in printed and "| none, graphs capture" in printed and "2/2, 2/2" in printed
+
+
+def test_unknown_graph_mode_is_refused():
+    import pytest
+
+    from chat.batching import graph_mode
+
+    assert graph_mode("1") == "capture" and graph_mode(" OFF ") == "off" and graph_mode("compile") == "compile"
+    with pytest.raises(ValueError, match="CHAT_CUDA_GRAPHS"):
+        graph_mode("yes")

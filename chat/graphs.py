@@ -1,0 +1,184 @@
+"""generate()'s one-token decoder steps replayed from CUDA graphs, beam search included.
+
+On a GPU a 400M decoder step is well under 1 ms of kernels but several ms of Python and kernel
+launches, so a 24-token reply is mostly launch overhead. transformers compiles the step into CUDA
+graphs for greedy and sampling only (``cache_implementation="static"``, ~20 s of compiling per
+model); beam search, the ``faithful`` preset, stays eager.
+
+``StepGraphs`` captures the step itself with ``torch.cuda.CUDAGraph`` (no compiler, a few
+milliseconds per shape) for every decoding strategy:
+
+* the cache is transformers' static cache (self- and cross-attention), whose tensors never move,
+  so a graph can read and write them by address; beam search reorders the self-attention half in
+  place and, as ``chat.fastgen.BeamCache`` does, leaves the beam-invariant cross-attention alone;
+* ``generate()`` calls the model as usual; while ``StepGraphs.decoding`` is active the model's
+  forward replays the graph for every step after the first (the first computes the
+  cross-attention keys/values and runs eagerly);
+* one graph and cache per shape (hypotheses, source length, cache length, dtype, attention, and
+  where the weights live), the least recently used dropped beyond ``capacity``.
+
+On a CPU the same static-cache path runs eagerly (that is what the tests check against plain
+generate()); only the capture needs CUDA. A failed capture is logged once and that shape is served
+eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import EncoderDecoderCache, StaticCache
+
+from chat.fastgen import CACHE_KWARG
+
+log = logging.getLogger(__name__)
+
+
+class GraphCache(EncoderDecoderCache):
+    """Static self- and cross-attention caches that a captured step reads by address: beam search
+    reorders the self-attention keys/values in place and skips the cross-attention half."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.self_attention_cache.layers:
+            if layer.is_initialized:
+                idx = beam_idx.to(layer.keys.device)
+                layer.keys.copy_(layer.keys.index_select(0, idx))
+                layer.values.copy_(layer.values.index_select(0, idx))
+
+    def cross_ready(self) -> bool:
+        return bool(self.is_updated) and all(self.is_updated.values())
+
+
+@dataclass
+class _Entry:
+    """One shape's cache and, once captured, its graph and the static tensors it reads and writes."""
+
+    cache: GraphCache
+    graph: torch.cuda.CUDAGraph | None = None
+    inputs: dict = field(default_factory=dict)  # the step's tensor inputs, at fixed addresses
+    output: object = None  # the captured forward's output; its logits are overwritten by each replay
+    failed: bool = False
+
+    def step_kwargs(self, kw: dict) -> dict:
+        """The forward's kwargs for one decoder step, its tensors copied into the static ones. The
+        decoder gets an all-ones mask over the whole cache (causality comes from the positions):
+        without one it builds its own, sized by the cache's length, a tensor read on the host."""
+        ids, mask = kw["decoder_input_ids"], kw["attention_mask"]
+        if not self.inputs:
+            max_len = self.cache.self_attention_cache.layers[0].max_cache_len
+            self.inputs = {
+                "decoder_input_ids": torch.empty_like(ids),
+                "attention_mask": torch.empty_like(mask),
+                "decoder_attention_mask": torch.ones((ids.shape[0], max_len), dtype=mask.dtype, device=mask.device),
+            }
+        self.inputs["decoder_input_ids"].copy_(ids)
+        self.inputs["attention_mask"].copy_(mask)
+        return {**kw, **self.inputs}
+
+
+def cache_length(kwargs: dict, model) -> int:
+    """Decoder positions a generate() call can fill: the start token plus the new tokens."""
+    if kwargs.get("max_new_tokens") is not None:
+        return int(kwargs["max_new_tokens"]) + 1
+    return int(kwargs.get("max_length") or model.generation_config.max_length)
+
+
+class StepGraphs:
+    """CUDA graphs of one model's decoder step, one per shape; use ``decoding`` around generate().
+    ``for_model`` keeps one per model without keeping the model alive."""
+
+    def __init__(self, capacity: int = 8):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._lock = threading.Lock()  # one generate() at a time may own the caches and graphs
+        self.replays = 0  # steps served from a graph (tests and benchmarks read it)
+
+    def _entry(self, model, hyps: int, source_len: int, max_len: int) -> _Entry:
+        config = model.config
+        # A graph reads the weights by address: weights moved or replaced make a new key.
+        weights = hash(tuple(p.data_ptr() for p in model.parameters()))
+        key = (hyps, source_len, max_len, model.dtype, config._attn_implementation, weights)
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            decoder = config.get_text_config(decoder=True)
+            self_attention = StaticCache(config=decoder, max_cache_len=max_len)
+            entry = _Entry(GraphCache(self_attention, StaticCache(config=decoder, max_cache_len=source_len)))
+            while len(self._entries) >= self.capacity:
+                self._entries.popitem(last=False)
+        self._entries[key] = entry  # most recently used last
+        return entry
+
+    @contextmanager
+    def decoding(self, model, input_ids: torch.Tensor, kwargs: dict):
+        """Yield generate() kwargs (the shape's cache, compiling off) for one ``model.generate`` call
+        on ``input_ids`` with ``kwargs``."""
+        beams = int(kwargs.get("num_beams") or 1) * int(kwargs.get("num_return_sequences") or 1)
+        with self._lock:
+            entry = self._entry(model, input_ids.shape[0] * beams, input_ids.shape[1], cache_length(kwargs, model))
+            entry.cache.reset()
+            # accelerate may have set an instance forward (mixed-precision wrapper): keep and restore it.
+            own = model.__dict__.get("forward")
+            eager = model.forward
+
+            def forward(*args, **kw):
+                step = not args and kw.get(CACHE_KWARG) is entry.cache and entry.cache.cross_ready()
+                if not step or kw["decoder_input_ids"].shape[1] != 1 or "decoder_attention_mask" in kw:
+                    return eager(*args, **kw)  # the first step (and anything else) runs as usual
+                static = entry.step_kwargs(kw)
+                on_gpu = static["decoder_input_ids"].is_cuda
+                if not on_gpu or entry.failed or (entry.graph is None and not self._capture(entry, eager, static)):
+                    return eager(**static)  # the step as a graph would record it, run directly
+                entry.graph.replay()
+                self.replays += 1
+                return entry.output
+
+            model.forward = forward
+            try:
+                # transformers would compile the forward for a static cache on a GPU: the graph is ours.
+                yield {CACHE_KWARG: entry.cache, "disable_compile": True}
+            finally:
+                if own is None:
+                    del model.forward  # back to the class's forward
+                else:
+                    model.forward = own
+
+    def _capture(self, entry: _Entry, eager, static: dict) -> bool:
+        """Record the step; the cache is left exactly as before, so the replay that follows is the step."""
+        layers = entry.cache.self_attention_cache.layers
+        lengths = [layer.cumulative_length.clone() for layer in layers]
+        try:
+            # Warm up on a side stream (as torch.cuda.graphs asks), then rewind the cache position.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                eager(**static)
+            torch.cuda.current_stream().wait_stream(side)
+            for layer, length in zip(layers, lengths):
+                layer.cumulative_length.copy_(length)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                entry.output = eager(**static)
+        except Exception as err:  # some model code cannot be captured: serve this shape eagerly
+            log.warning("CUDA-graph capture failed (%s: %s); decoding this shape eagerly", type(err).__name__, err)
+            entry.failed = True
+            for layer, length in zip(layers, lengths):
+                layer.cumulative_length.copy_(length)
+            return False
+        entry.graph = graph
+        return True
+
+
+_PER_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def for_model(model) -> StepGraphs:
+    """The model's ``StepGraphs`` (made on first use, freed with the model)."""
+    graphs = _PER_MODEL.get(model)
+    if graphs is None:
+        graphs = _PER_MODEL[model] = StepGraphs()
+    return graphs

@@ -1,0 +1,135 @@
+"""chat/graphs.py: generate() through StepGraphs gives the sequences plain generate() gives (beam
+search, greedy, sampling, padded batches), the model's forward is put back, the decoder step never
+reads tensor data on the host (what a CUDA-graph capture needs), and on a GPU the steps replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from transformers import AutoTokenizer
+
+from chat.fastgen import CACHE_KWARG, fast_kwargs
+from chat.graphs import StepGraphs, cache_length, for_model
+from chat.model import load_model
+
+TEXTS = ["chatbot: hello there, how are you doing today?", "chatbot: your persona: i like jazz. </s>  <s> hi"]
+SETTINGS = {
+    "beam": dict(num_beams=4, max_new_tokens=12, min_new_tokens=12, no_repeat_ngram_size=3, repetition_penalty=1.2),
+    "greedy": dict(num_beams=1, max_new_tokens=12, min_new_tokens=3, no_repeat_ngram_size=3),
+    "sampled": dict(num_beams=1, do_sample=True, top_p=0.9, temperature=0.8, max_new_tokens=12),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    return AutoTokenizer.from_pretrained(tiny_path), load_model(tiny_path).eval()
+
+
+def _generate(model, batch, kwargs, graphs=None):
+    torch.manual_seed(0)
+    if graphs is None:
+        return model.generate(**batch, **kwargs)
+    with graphs.decoding(model, batch["input_ids"], kwargs) as cache:
+        return model.generate(**batch, **fast_kwargs({**kwargs, **cache}, batch["input_ids"]))
+
+
+@pytest.mark.parametrize("strategy", SETTINGS)
+def test_static_cache_decoding_gives_the_sequences_of_plain_generate(tiny, strategy):
+    tokenizer, model = tiny
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)  # two lengths: one row is padded
+    graphs = StepGraphs()
+    expected = _generate(model, batch, SETTINGS[strategy])
+    for _ in range(2):  # the second call reuses (and resets) the first call's cache
+        assert torch.equal(_generate(model, batch, SETTINGS[strategy], graphs), expected)
+    assert len(graphs._entries) == 1
+
+
+def test_forward_is_put_back_even_on_errors(tiny):
+    tokenizer, model = tiny
+    batch = tokenizer(TEXTS[:1], return_tensors="pt")
+    graphs = StepGraphs()
+    with pytest.raises(RuntimeError, match="boom"):
+        with graphs.decoding(model, batch["input_ids"], SETTINGS["greedy"]):
+            assert "forward" in model.__dict__
+            raise RuntimeError("boom")
+    assert "forward" not in model.__dict__
+
+    def wrapped(*args, **kwargs):  # as accelerate's mixed-precision wrapper sets one
+        return type(model).forward(model, *args, **kwargs)
+
+    model.forward = wrapped
+    try:
+        with graphs.decoding(model, batch["input_ids"], SETTINGS["greedy"]):
+            assert model.forward is not wrapped
+        assert model.forward is wrapped
+    finally:
+        del model.forward
+
+
+def test_one_cache_per_shape_least_recently_used_dropped(tiny):
+    tokenizer, model = tiny
+    graphs = StepGraphs(capacity=2)
+    for text in ["chatbot: hi", "chatbot: hi there", "chatbot: hi", "chatbot: hello to you too"]:
+        batch = tokenizer([text], return_tensors="pt")
+        _generate(model, batch, SETTINGS["greedy"], graphs)
+    lengths = [key[1] for key in graphs._entries]
+    assert len(lengths) == 2 and lengths[-1] == len(tokenizer("chatbot: hello to you too")["input_ids"])
+    assert lengths[0] == len(tokenizer("chatbot: hi")["input_ids"])  # used again, so kept over "hi there"
+
+
+def test_cache_length_and_one_graph_set_per_model(tiny):
+    _, model = tiny
+    assert cache_length({"max_new_tokens": 24}, model) == 25
+    assert cache_length({"max_length": 40}, model) == 40
+    assert for_model(model) is for_model(model)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
+    """A CUDA graph records kernels only: a step that turns a tensor into a Python value (``.item()``,
+    a size from a tensor, ``if tensor``) cannot be captured. Under fake tensors that raises, so the
+    step StepGraphs captures (after the first, which fills the cross-attention cache) runs that way
+    here, on the CPU, with every cache tensor fake (real 0-d tensors would pass as constants)."""
+    tokenizer, model = tiny
+    model.set_attn_implementation(attention)
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    entry = StepGraphs()._entry(model, 2, batch["input_ids"].shape[1], 8)
+    first = dict(
+        decoder_input_ids=torch.full((2, 1), model.config.decoder_start_token_id),
+        encoder_outputs=model.get_encoder()(**batch),
+        attention_mask=batch["attention_mask"],
+        use_cache=True,
+        **{CACHE_KWARG: entry.cache},
+    )
+    try:
+        with torch.no_grad():
+            model(**first)
+            assert entry.cache.cross_ready()
+            step = entry.step_kwargs(first)
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            for half in (entry.cache.self_attention_cache, entry.cache.cross_attention_cache):
+                for layer in half.layers:
+                    layer.keys, layer.values = fake.from_tensor(layer.keys), fake.from_tensor(layer.values)
+                    layer.cumulative_length = fake.from_tensor(layer.cumulative_length)
+            with fake:
+                assert model(**step).logits.shape[:2] == (2, 1)
+                without_mask = {k: v for k, v in step.items() if k != "decoder_attention_mask"}
+                with pytest.raises(DataDependentOutputException):  # the check can fail: this step syncs
+                    model(**without_mask)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy", SETTINGS)
+def test_graph_replay_gives_the_sequences_of_plain_generate(tiny_path, strategy):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model = load_model(tiny_path).eval().cuda()
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True).to("cuda")
+    graphs = StepGraphs()
+    expected = _generate(model, batch, SETTINGS[strategy])
+    for _ in range(2):
+        assert torch.equal(_generate(model, batch, SETTINGS[strategy], graphs), expected)
+    assert graphs.replays > 0 and not any(entry.failed for entry in graphs._entries.values())
