@@ -71,7 +71,14 @@ def plain_generate(engine: ChatEngine, prompts, settings, repeats: int) -> dict:
 
 
 def bench_variant(
-    spec: str, variant: str, prompts, reply_tokens: int, repeats: int, concurrency: int, plain: bool = False
+    spec: str,
+    variant: str,
+    prompts,
+    reply_tokens: int,
+    repeats: int,
+    concurrency: int,
+    plain: bool = False,
+    window_ms: float | None = None,
 ) -> dict:
     """One variant, ``optimize[:graphs]`` (graphs: CHAT_CUDA_GRAPHS's capture, compile or off)."""
     optimize, _, graphs = variant.partition(":")
@@ -80,12 +87,15 @@ def bench_variant(
     engine = ChatEngine(load_checkpoint(spec, optimize=optimize), f"bench {spec}")
     if graphs:
         engine._batcher.cuda_graphs = graph_mode(graphs)
+    if window_ms is not None:
+        engine._batcher.window_s = window_ms / 1000
     load_s = time.perf_counter() - start
     engine.warm_up()  # prepares the GPU CUDA-graph decoding, as ChatEngine.start does
     warm_s = time.perf_counter() - start - load_s
     result = {
         "optimize": optimize,
         "graphs": engine._batcher.cuda_graphs,
+        "batch_window_ms": engine._batcher.window_s * 1000,
         "load_seconds": load_s,
         "warm_up_seconds": warm_s,
         "device": str(engine.current.model.device),
@@ -205,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated variants: none, bf16, int8 or auto, each optionally with :capture, :compile "
         "or :off for its CUDA graphs on a GPU (e.g. none:compile,none:capture)",
     )
+    parser.add_argument("--window_ms", type=float, help="the batcher's wait for requests to join a batch")
     parser.add_argument("--plain", action="store_true", help="also time transformers' plain generate() (first variant)")
     parser.add_argument("--reply_tokens", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=8)
@@ -222,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         spec, weights = "random-400M", "random-init weights (Hub unreachable)"
     prompts = prompt_set(args.prompts)
     results = [
-        bench_variant(spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency, args.plain and i == 0)
+        bench_variant(
+            spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency, args.plain and i == 0, args.window_ms
+        )
         for i, v in enumerate(args.optimize.split(","))
     ]
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
