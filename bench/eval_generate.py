@@ -9,7 +9,8 @@ timing does not depend on the (random) weights. Variants:
 
 * ``plain``: transformers' generate() as it comes (its n-gram loops and beam cache);
 * ``fastgen``: ``chat.fastgen.fast_kwargs``, what ``finetune.evaluate`` uses;
-* ``graphs``: fastgen plus ``chat.graphs.StepGraphs`` (the decoder step replayed as a CUDA graph).
+* ``graphs``: fastgen plus ``chat.graphs.StepGraphs`` (the decoder step replayed as a CUDA graph);
+* ``grouped``: fastgen with beam-grouped cross-attention (``--eval_attention grouped``).
 
 ``--profile NAME`` profiles that variant's timed call (kernels grouped by kind, ``bench.profile``)
 and writes ``profile-NAME.json`` to ``--out``.
@@ -28,7 +29,7 @@ import torch
 from bench.common import device_name, quiet_transformers, versions, write_json
 from bench.profile import idle_gaps, summarize
 from bench.train_runs import PREFIX
-from chat.fastgen import fast_kwargs
+from chat.fastgen import fast_kwargs, grouped_beams
 from chat.graphs import StepGraphs
 from chat.model import load_model, load_tokenizer
 from finetune.config import TrainConfig
@@ -53,7 +54,8 @@ def run(model, batch, kwargs: dict, variant: str, graphs: StepGraphs) -> torch.T
     ids = batch["input_ids"]
     gen = kwargs if variant == "plain" else fast_kwargs(kwargs, ids)
     step = graphs.decoding(model, ids, kwargs) if variant == "graphs" else nullcontext({})
-    with torch.inference_mode(), step as cache:
+    grouped = grouped_beams(model, kwargs["num_beams"]) if variant == "grouped" else nullcontext()
+    with torch.inference_mode(), step as cache, grouped:
         if cache:
             gen = fast_kwargs({**kwargs, **cache}, ids)
         return model.generate(**batch, **gen)
@@ -93,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="random-400M")
     parser.add_argument("--batch", type=int, default=500, help="rows per generate() call (the tuned eval batch)")
     parser.add_argument("--new_tokens", type=int, default=64, help="forced reply length (the seed's max target)")
-    parser.add_argument("--variants", default="fastgen,graphs", help="comma-separated: plain, fastgen, graphs")
+    parser.add_argument(
+        "--variants", default="fastgen,grouped", help="comma-separated: plain, fastgen, graphs, grouped"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--attention", default="eager", help="the evaluation attention (TrainConfig.eval_attention)")
     parser.add_argument("--repeats", type=int, default=2)

@@ -19,14 +19,25 @@
    chat engine does this only with ``CHAT_CUDA_GRAPHS=compile``: its default, ``chat.graphs``,
    records the step itself for every strategy in about a second (docs/chat-benchmarks.md).
 
-``fast_kwargs`` turns generate() keyword arguments into ones that use these.
+4. Beam-grouped cross-attention (``grouped_beams``): every beam of one input attends over the same
+   encoder keys/values, yet attention reads them once per beam (beam 10: ten copies, per layer, per
+   step). This attention (eager otherwise) reads them once per input and treats the beams as ten
+   query positions: one matrix product per input instead of ten vector products. For evaluation's
+   large batches (``--eval_attention grouped``); same math, rounding may differ from eager's.
+
+``fast_kwargs`` turns generate() keyword arguments into ones that use 1-3.
 """
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
+
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessor, LogitsProcessorList
+from transformers import AttentionInterface, DynamicCache, EncoderDecoderCache, LogitsProcessor, LogitsProcessorList
 from transformers.generation import utils as generation_utils
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.models.blenderbot.modeling_blenderbot import eager_attention_forward
 
 # generate()'s keyword for a cache object: "cache" in newer transformers, which warns about (and
 # from 5.40 drops) the old "past_key_values".
@@ -124,3 +135,59 @@ def fast_kwargs(kwargs: dict, input_ids: torch.LongTensor, cuda_graphs: bool = F
     elif cuda_graphs and input_ids.device.type == "cuda":
         out.setdefault("cache_implementation", "static")
     return out
+
+
+GROUPED = "beam_grouped"  # the attention implementation's registered name
+_BEAMS = contextvars.ContextVar("beams_per_input", default=1)
+# Each input's keys/values, made once per generate() call: the cross-attention cache holds the same
+# tensors at every step (BeamCache never reorders it), and taking every beams-th row of it is a
+# copy (the rows no longer merge with the heads into one batch dimension for the matmul).
+_PER_INPUT = contextvars.ContextVar("per_input_keys_values", default=None)
+
+
+def beam_grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention, except that decoder cross-attention inside ``grouped_beams`` reads each
+    input's keys/values once for all of its beams (rows ``b*beams .. b*beams+beams-1`` of the
+    cache are copies of one another: generate() repeats the encoder output per beam)."""
+    beams = _BEAMS.get()
+    hyps, heads, length, dim = query.shape
+    cross = module.is_decoder and not module.is_causal
+    if beams == 1 or not cross or length != 1 or hyps % beams or module.training:
+        return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    rows = hyps // beams
+    key, value = _per_input(key, beams), _per_input(value, beams)
+    q = query.reshape(rows, beams, heads, dim).transpose(1, 2)  # the beams as query positions
+    scores = torch.matmul(q, key.transpose(2, 3)) * (scaling if scaling is not None else dim**-0.5)
+    if attention_mask is not None:
+        scores = scores + attention_mask[::beams]
+    out = torch.matmul(torch.nn.functional.softmax(scores, dim=-1), value)  # (rows, heads, beams, dim)
+    return out.transpose(1, 2).reshape(hyps, 1, heads, dim), None
+
+
+def _per_input(states: torch.Tensor, beams: int) -> torch.Tensor:
+    memo = _PER_INPUT.get()
+    if memo is None:
+        return states[::beams]
+    key = (states.data_ptr(), tuple(states.shape), states.dtype)
+    if key not in memo:
+        memo[key] = states[::beams].contiguous()
+    return memo[key]
+
+
+AttentionInterface.register(GROUPED, beam_grouped_attention)
+AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+@contextmanager
+def grouped_beams(model, beams: int):
+    """One generate() call inside uses beam-grouped cross-attention for ``beams`` beams per input
+    (its per-input keys/values are kept until the block ends: one call per block)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(GROUPED)
+    token, memo = _BEAMS.set(beams), _PER_INPUT.set({})
+    try:
+        yield
+    finally:
+        _PER_INPUT.reset(memo)
+        _BEAMS.reset(token)
+        model.set_attn_implementation(before)

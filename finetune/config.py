@@ -21,6 +21,8 @@ from chat.model import ATTENTION
 DEFAULT_DATASET = "smangrul/MuDoConv"
 TRACKERS = ("tensorboard", "wandb", "trackio", "all")
 
+EVAL_ATTENTION = ("eager", "grouped", "sdpa")  # evaluation decoding; see TrainConfig.eval_attention
+
 
 def _doc(text: str, **kw):
     return field(metadata={"help": text}, **kw)
@@ -83,7 +85,9 @@ class TrainConfig:
         "Evaluation batches whose (prompt, prediction, reference) are logged.", default=5
     )
     eval_attention: str = _doc(
-        "Attention for evaluation generation: eager (fastest for beam decoding) or sdpa.", default="eager"
+        "Attention for evaluation generation: grouped (eager, with cross-attention read once per input "
+        "for all its beams: chat.fastgen; 1.31x on an H200), eager (per hypothesis) or sdpa.",
+        default="grouped",
     )
     fast_ngram_blocking: bool = _doc(
         "Tensorized n-gram blocking (same bans as transformers' per-hypothesis loop, far faster).", default=True
@@ -159,8 +163,10 @@ class TrainConfig:
             raise ValueError(f"--report_to must be one of {', '.join(TRACKERS)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
-        if self.eval_attention not in ("eager", "sdpa"):
-            raise ValueError(f"--eval_attention must be eager or sdpa, got {self.eval_attention!r}")
+        if self.eval_attention not in EVAL_ATTENTION:
+            raise ValueError(
+                f"--eval_attention must be one of {', '.join(EVAL_ATTENTION)}, got {self.eval_attention!r}"
+            )
         if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
             raise ValueError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         if self.push_to_hub and not self.save_model:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from contextlib import contextmanager
 
 import sacrebleu
 import torch
 from tqdm.auto import tqdm
 
-from chat.fastgen import fast_kwargs
+from chat.fastgen import fast_kwargs, grouped_beams
 from chat.prompt import KINDS, kind_of
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,26 @@ def generation_kwargs(cfg) -> dict:
         repetition_penalty=cfg.repetition_penalty,
         do_sample=False,
     )
+
+
+@contextmanager
+def decoding_attention(model, cfg):
+    """Generation with ``cfg.eval_attention``, then back to the training kernels (the loss ran on
+    those). Decoding one token at a time over short contexts is fastest with eager attention, and
+    beam search with its grouped form (measured on H200, docs/benchmarks.md)."""
+    if cfg.eval_attention == "grouped" and cfg.num_beams > 1:
+        with grouped_beams(model, cfg.num_beams):
+            yield
+        return
+    trained_with = model.config._attn_implementation
+    wanted = "eager" if cfg.eval_attention == "grouped" else cfg.eval_attention
+    if wanted != trained_with:
+        model.set_attn_implementation(wanted)
+    try:
+        yield
+    finally:
+        if wanted != trained_with:
+            model.set_attn_implementation(trained_with)
 
 
 def _decode(tokenizer, ids: torch.Tensor, keep_structure: bool = False) -> list[str]:
@@ -66,19 +87,11 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
         loss = model(**batch).loss.detach().float()
         losses.append(accelerator.gather_for_metrics(loss.repeat(batch["input_ids"].shape[0])))
         gen_kwargs = fast_kwargs(kwargs, batch["input_ids"]) if cfg.fast_ngram_blocking else kwargs
-        # Decoding one token at a time over short contexts is fastest with eager attention
-        # (measured on H200, docs/benchmarks.md); the loss above ran on the training kernels.
-        trained_with = generator.config._attn_implementation
-        if cfg.eval_attention != trained_with:
-            generator.set_attn_implementation(cfg.eval_attention)
-        try:
+        with decoding_attention(generator, cfg):
             # ZeRO-3 shards the weights: every rank must take part in every generation step.
             generated = generator.generate(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], synced_gpus=zero3, **gen_kwargs
             )
-        finally:
-            if cfg.eval_attention != trained_with:
-                generator.set_attn_implementation(trained_with)
         generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad)
         labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)
         inputs = accelerator.pad_across_processes(batch["input_ids"], dim=1, pad_index=pad)

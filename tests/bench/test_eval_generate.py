@@ -9,9 +9,11 @@ from bench.eval_generate import main
 
 def test_eval_generate_smoke(tmp_path, capsys):
     args = ["--model", "tiny", "--batch", "3", "--new_tokens", "6", "--dtype", "float32", "--repeats", "1"]
-    assert main([*args, "--variants", "plain,fastgen,graphs", "--profile", "graphs", "--out", str(tmp_path)]) == 0
+    assert (
+        main([*args, "--variants", "plain,fastgen,graphs,grouped", "--profile", "graphs", "--out", str(tmp_path)]) == 0
+    )
     results = json.loads((tmp_path / "eval_generate.json").read_text())["results"]
-    assert list(results) == ["plain", "fastgen", "graphs"]
+    assert list(results) == ["plain", "fastgen", "graphs", "grouped"]
     for r in results.values():
         assert r["seconds"] > 0 and r["rows_same_as_first"] == 1.0
     profile = json.loads((tmp_path / "profile-graphs.json").read_text())

@@ -113,3 +113,48 @@ def test_cuda_graph_decoding_gives_the_same_sequences(tiny_path):
         graphed = fast_kwargs(kwargs, batch["input_ids"], cuda_graphs=True)
         assert graphed["cache_implementation"] == "static"
         assert torch.equal(model.generate(**batch, **graphed), expected)
+
+
+def test_beam_grouped_attention_is_eager_attention_on_beam_copies(tiny_path):
+    """Cross-attention with each input's keys/values repeated per beam (as generate() lays them out):
+    the grouped form gives eager attention's output, masks included; elsewhere it is eager itself."""
+    from transformers.models.blenderbot.modeling_blenderbot import eager_attention_forward
+
+    from chat.fastgen import _BEAMS, beam_grouped_attention
+
+    layer = load_model(tiny_path).eval().model.decoder.layers[0]
+    rows, beams, heads, dim, source = 3, 4, 4, 8, 7
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(rows * beams, heads, 1, dim, generator=g)
+    key, value = (torch.randn(rows, heads, source, dim, generator=g).repeat_interleave(beams, 0) for _ in "kv")
+    mask = torch.zeros(rows * beams, 1, 1, source)
+    mask[:beams, ..., -2:] = torch.finfo(torch.float32).min  # the first input is padded
+    expected, _ = eager_attention_forward(layer.encoder_attn, query, key, value, mask, scaling=0.3)
+    token = _BEAMS.set(beams)
+    try:
+        got, weights = beam_grouped_attention(layer.encoder_attn, query, key, value, mask, scaling=0.3)
+        assert weights is None and torch.allclose(got, expected, atol=1e-6)
+        # Self-attention (causal) is never grouped: its keys differ per beam.
+        _, self_weights = beam_grouped_attention(layer.self_attn, query, key, value, mask, scaling=0.3)
+        assert self_weights is not None
+    finally:
+        _BEAMS.reset(token)
+
+
+def test_grouped_beams_generates_the_sequences_of_eager_attention(tiny_path):
+    from chat.fastgen import grouped_beams
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model = load_model(tiny_path).eval()
+    model.set_attn_implementation("eager")
+    batch = tokenizer(
+        ["chatbot: hello there, how are you?", "chatbot: your persona: i like jazz. </s>  <s> hi"],
+        return_tensors="pt",
+        padding=True,
+    )
+    kwargs = dict(num_beams=10, max_length=16, min_length=16, no_repeat_ngram_size=3, repetition_penalty=1.2)
+    expected = model.generate(**batch, **fast_kwargs(kwargs, batch["input_ids"]))
+    with grouped_beams(model, 10):
+        got = model.generate(**batch, **fast_kwargs(kwargs, batch["input_ids"]))
+    assert model.config._attn_implementation == "eager"  # put back
+    assert torch.equal(got, expected)

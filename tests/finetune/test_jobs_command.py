@@ -14,7 +14,7 @@ from jobs_helpers import good_rows, launcher_args, spec, write_jsonl
 
 from chat.layout import ROOT
 from chat.model import ATTENTION
-from finetune.config import TRACKERS, TrainConfig, parse_args
+from finetune.config import EVAL_ATTENTION, TRACKERS, TrainConfig, parse_args
 from finetune.jobs import command
 from finetune.jobs.command import build_command, format_command, run_config, training_args
 from finetune.jobs.manager import RunManager
@@ -173,7 +173,7 @@ def _random_config(rng: random.Random) -> TrainConfig | None:
     hints = typing.get_type_hints(TrainConfig)
     choices = {
         "attention": ATTENTION,
-        "eval_attention": ("eager", "sdpa"),
+        "eval_attention": EVAL_ATTENTION,
         "report_to": TRACKERS,
         "hub_model_id": ("me/chat", None),
         "lr_scheduler_type": ("linear", "cosine", "constant"),
