@@ -29,7 +29,7 @@ from bench.common import (
     write_json,
 )
 from chat.batching import graph_mode
-from chat.engine import GENERATION_PRESETS, ChatEngine, Conversation, load_checkpoint
+from chat.engine import GENERATION_PRESETS, ChatEngine, Conversation, load_apart
 from chat.model import ModelLoadError
 from chat.optimize import memory_mib
 from chat.prompt import KINDS, format_context, split_source
@@ -54,7 +54,13 @@ def prompt_set(n: int) -> list[tuple[Conversation, str]]:
 
 def plain_generate(engine: ChatEngine, prompts, settings, repeats: int) -> dict:
     """The baseline: the same prompts through transformers' generate() as it comes (no batcher,
-    no chat.fastgen, no CUDA graphs), timed the same way; and its replies, to compare with."""
+    no chat.fastgen, no CUDA graphs), timed the same way; and its replies, to compare with. It
+    runs in a thread that ends with it, as loads do (``chat.engine.load_apart`` says why)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(_plain_generate, engine, prompts, settings, repeats).result()
+
+
+def _plain_generate(engine: ChatEngine, prompts, settings, repeats: int) -> dict:
     replies, latencies = [], []
     for repeat in range(repeats + 1):  # the first pass warms up
         for conv, message in prompts:
@@ -84,7 +90,7 @@ def bench_variant(
     optimize, _, graphs = variant.partition(":")
     rss_before = memory_mib()["rss"]
     start = time.perf_counter()
-    engine = ChatEngine(load_checkpoint(spec, optimize=optimize), f"bench {spec}")
+    engine = ChatEngine(load_apart(spec, optimize=optimize), f"bench {spec}")  # as the app loads
     if graphs:
         engine._batcher.cuda_graphs = graph_mode(graphs)
     if window_ms is not None:
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = args.model
     try:
-        load_checkpoint(spec, optimize="none")
+        load_apart(spec, optimize="none")  # (no torch work in this long-lived thread: see load_apart)
         weights = "real weights"
     except ModelLoadError:
         spec, weights = "random-400M", "random-init weights (Hub unreachable)"

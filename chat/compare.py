@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from chat.engine import ChatEngine, load_checkpoint
+from chat.engine import ChatEngine, load_apart
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class CompareSlot:
         serving: ChatEngine,
         optimize: str | None = None,
         idle_seconds: float = IDLE_SECONDS,
-        loader: Callable = load_checkpoint,
+        loader: Callable = load_apart,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.serving = serving

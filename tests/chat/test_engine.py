@@ -879,3 +879,25 @@ def test_stream_refuses_bad_input_at_the_call(engine, generate_calls):
     with pytest.raises(InputError):
         engine.stream(Conversation(kind="none", context="", turns=[]), "   ")  # not iterated
     assert generate_calls == []
+
+
+def test_models_load_in_a_thread_that_then_ends(monkeypatch, demo):
+    """ChatEngine.start and swap load in a short-lived thread (chat.engine.load_apart: a thread
+    that lives on would keep a second OpenMP team on the cores and slow every CPU reply)."""
+    import chat.engine as engine_module
+
+    threads = []
+    real = engine_module.load_checkpoint
+
+    def spy(spec, optimize=None):
+        threads.append(threading.current_thread())
+        return real(spec, optimize)
+
+    monkeypatch.setattr(engine_module, "load_checkpoint", spy)
+    engine = ChatEngine.start(str(DEMO_DIR))
+    engine.swap(str(DEMO_DIR))
+    assert len(threads) == 2
+    assert all(t is not threading.current_thread() and t.name.startswith("chat-load") for t in threads)
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(CheckpointError, match="no such model folder"):  # errors still reach the caller
+        engine_module.load_apart("/no/such/model")
