@@ -15,7 +15,8 @@ milliseconds per shape) for every decoding strategy:
   forward replays the graph for every step after the first (the first computes the
   cross-attention keys/values and runs eagerly);
 * one graph and cache per shape (hypotheses, source length, cache length, dtype, attention, and
-  where the weights live), the least recently used dropped beyond ``capacity``.
+  where the weights live); the least recently used are dropped beyond ``capacity`` shapes or
+  ``budget_bytes`` of caches (8 concurrent beam-10 chats over 128 tokens hold ~1.2 GB in fp32).
 
 On a CPU the same static-cache path runs eagerly (that is what the tests check against plain
 generate()); only the capture needs CUDA. A failed capture is logged once and that shape is served
@@ -63,6 +64,7 @@ class _Entry:
     inputs: dict = field(default_factory=dict)  # the step's tensor inputs, at fixed addresses
     output: object = None  # the captured forward's output; its logits are overwritten by each replay
     failed: bool = False
+    bytes: int = 0  # what its caches hold (estimated from the shape)
 
     def step_kwargs(self, kw: dict) -> dict:
         """The forward's kwargs for one decoder step, its tensors copied into the static ones. The
@@ -88,12 +90,19 @@ def cache_length(kwargs: dict, model) -> int:
     return int(kwargs.get("max_length") or model.generation_config.max_length)
 
 
+def cache_bytes(config, hyps: int, positions: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values for ``positions`` (self- plus cross-attention) of every decoder
+    layer of a model with ``config``."""
+    layers, width = config.decoder_layers, config.d_model
+    return 2 * layers * hyps * positions * width * torch.empty((), dtype=dtype).element_size()
+
+
 class StepGraphs:
     """CUDA graphs of one model's decoder step, one per shape; use ``decoding`` around generate().
     ``for_model`` keeps one per model without keeping the model alive."""
 
-    def __init__(self, capacity: int = 8):
-        self.capacity = capacity
+    def __init__(self, capacity: int = 8, budget_bytes: int = 2 << 30):
+        self.capacity, self.budget_bytes = capacity, budget_bytes
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._lock = threading.Lock()  # one generate() at a time may own the caches and graphs
         self.replays = 0  # steps served from a graph (tests and benchmarks read it)
@@ -108,10 +117,16 @@ class StepGraphs:
             decoder = config.get_text_config(decoder=True)
             self_attention = StaticCache(config=decoder, max_cache_len=max_len)
             entry = _Entry(GraphCache(self_attention, StaticCache(config=decoder, max_cache_len=source_len)))
-            while len(self._entries) >= self.capacity:
-                self._entries.popitem(last=False)
+            entry.bytes = cache_bytes(config, hyps, max_len + source_len, model.dtype)
+            while self._entries and (
+                len(self._entries) >= self.capacity or self.held_bytes() + entry.bytes > self.budget_bytes
+            ):
+                self._entries.popitem(last=False)  # the least recently used
         self._entries[key] = entry  # most recently used last
         return entry
+
+    def held_bytes(self) -> int:
+        return sum(entry.bytes for entry in self._entries.values())
 
     @contextmanager
     def decoding(self, model, input_ids: torch.Tensor, kwargs: dict):

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from transformers import AutoTokenizer
 
 from chat.fastgen import CACHE_KWARG, fast_kwargs
-from chat.graphs import StepGraphs, cache_length, for_model
+from chat.graphs import StepGraphs, cache_bytes, cache_length, for_model
 from chat.model import load_model
 
 TEXTS = ["chatbot: hello there, how are you doing today?", "chatbot: your persona: i like jazz. </s>  <s> hi"]
@@ -76,6 +76,25 @@ def test_one_cache_per_shape_least_recently_used_dropped(tiny):
     lengths = [key[1] for key in graphs._entries]
     assert len(lengths) == 2 and lengths[-1] == len(tokenizer("chatbot: hello to you too")["input_ids"])
     assert lengths[0] == len(tokenizer("chatbot: hi")["input_ids"])  # used again, so kept over "hi there"
+
+
+def test_caches_beyond_the_memory_budget_are_dropped(tiny):
+    tokenizer, model = tiny
+    one = cache_bytes(model.config, 1, 13 + len(tokenizer("chatbot: hi")["input_ids"]), model.dtype)
+    graphs = StepGraphs(capacity=8, budget_bytes=int(1.5 * one))  # room for one short chat's caches
+    for text in ["chatbot: hi", "chatbot: hi"]:
+        _generate(model, tokenizer([text], return_tensors="pt"), SETTINGS["greedy"], graphs)
+    assert len(graphs._entries) == 1 and graphs.held_bytes() == one
+    _generate(model, tokenizer(["chatbot: hello to you"], return_tensors="pt"), SETTINGS["greedy"], graphs)
+    assert len(graphs._entries) == 1 and list(graphs._entries)[0][1] > 4  # only the newest is kept
+    entry = next(iter(graphs._entries.values()))
+    held = sum(
+        t.numel() * t.element_size()
+        for half in (entry.cache.self_attention_cache, entry.cache.cross_attention_cache)
+        for layer in half.layers
+        for t in (layer.keys, layer.values)
+    )
+    assert held == entry.bytes  # the estimate is what the caches hold
 
 
 def test_cache_length_and_one_graph_set_per_model(tiny):
