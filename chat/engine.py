@@ -288,7 +288,7 @@ class ChatEngine:
     def swap(self, spec: str) -> str:
         """Load ``spec`` and serve it from now on; on any failure the current model keeps serving."""
         loaded = load_apart(spec)  # raises before anything changes
-        self.warm_up(loaded)  # compiles on a GPU while the current model keeps serving
+        self.warm_up(loaded)  # on a GPU, while the current model keeps serving
         with self._swap:
             self._current = loaded
             self.status = f"serving {spec}"
