@@ -176,7 +176,8 @@ class StepGraphs:
             for layer, length in zip(layers, lengths):
                 layer.cumulative_length.copy_(length)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: a model loading in another thread meanwhile (a swap) must not void it.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 entry.output = eager(**static)
         except Exception as err:  # some model code cannot be captured: serve this shape eagerly
             log.warning("CUDA-graph capture failed (%s: %s); decoding this shape eagerly", type(err).__name__, err)
