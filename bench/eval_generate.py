@@ -52,12 +52,10 @@ def source_batch(tokenizer, rows: int, device, folder: Path) -> dict:
 
 def run(model, batch, kwargs: dict, variant: str, graphs: StepGraphs) -> torch.Tensor:
     ids = batch["input_ids"]
-    gen = kwargs if variant == "plain" else fast_kwargs(kwargs, ids)
     step = graphs.decoding(model, ids, kwargs) if variant == "graphs" else nullcontext({})
     grouped = grouped_beams(model, kwargs["num_beams"]) if variant == "grouped" else nullcontext()
     with torch.inference_mode(), step as cache, grouped:
-        if cache:
-            gen = fast_kwargs({**kwargs, **cache}, ids)
+        gen = kwargs if variant == "plain" else fast_kwargs({**kwargs, **cache}, ids)
         return model.generate(**batch, **gen)
 
 
