@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gradio_client import Client
 
-from chat.engine import DEMO_DIR, ChatEngine, load_checkpoint
+from chat.engine import DEMO_DIR, ChatEngine, load_apart
 from finetune.jobs.command import free_port
 from webui import auth, train_handlers
 
@@ -22,7 +22,8 @@ class App:
         self.runs, self.data = root / "runs", root / "uploads"
         self.saved = {k: os.environ.get(k) for k in ("PERSONA_CHAT_RUNS", "PERSONA_CHAT_DATA")}
         os.environ.update(PERSONA_CHAT_RUNS=str(self.runs), PERSONA_CHAT_DATA=str(self.data))
-        self.engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
+        # Loaded as the app loads (chat.engine.load_apart), not in the test's long-lived thread.
+        self.engine = ChatEngine(load_apart(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
         self.tab = train_handlers.TrainTab.create(auth=config, runs_root=self.runs)
         self.demo = app.build_demo(self.engine, self.tab)
         _, self.url, _ = self.demo.launch(
@@ -36,6 +37,14 @@ class App:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def serve(tmp_path_factory, name: str, password: str):
+    """A module fixture's body: the app in a fresh folder ``name`` with TRAIN_PASSWORD ``password``,
+    closed when the fixture ends."""
+    served = App(tmp_path_factory.mktemp(name), auth.AuthConfig(password=password))
+    yield served
+    served.close()
 
 
 class Caller:

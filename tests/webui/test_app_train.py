@@ -16,7 +16,7 @@ import httpx
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
-from served_app import App, Caller
+from served_app import App, Caller, serve
 
 from chat.engine import DEMO_DIR
 from chat.layout import SAMPLE_DIR
@@ -30,9 +30,7 @@ TIMEOUT = 120
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
     """The app with TRAIN_PASSWORD set."""
-    served = App(tmp_path_factory.mktemp("locked"), auth.AuthConfig(password=PASSWORD))
-    yield served
-    served.close()
+    yield from serve(tmp_path_factory, "locked", PASSWORD)
 
 
 @pytest.fixture(scope="module")

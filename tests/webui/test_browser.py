@@ -14,9 +14,7 @@ import time
 
 import pytest
 from browser import CHROMIUM, expect, needs_browser, sync_playwright
-from served_app import App
-
-from webui import auth
+from served_app import serve
 
 pytestmark = needs_browser
 
@@ -28,9 +26,7 @@ POINT = "[aria-label^='step: ']"  # vega draws one labelled mark per data point 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    app = App(tmp_path_factory.mktemp("browser"), auth.AuthConfig(password=PASSWORD))
-    yield app
-    app.close()
+    yield from serve(tmp_path_factory, "browser", PASSWORD)
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from browser import CHROMIUM, expect, needs_browser, screenshot_folder, shout, sync_playwright
-from served_app import App
+from served_app import serve
 
 from chat.engine import DEMO_DIR, ChatEngine, Conversation, load_checkpoint
 from finetune.feedback import FeedbackRow, encoder_text
-from webui import auth
 
 pytestmark = needs_browser
 
@@ -41,9 +40,7 @@ CORRECTIONS = (
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    app = App(tmp_path_factory.mktemp("browser-loop"), auth.AuthConfig(password=PASSWORD))
-    yield app
-    app.close()
+    yield from serve(tmp_path_factory, "browser-loop", PASSWORD)
 
 
 @pytest.fixture(scope="module")

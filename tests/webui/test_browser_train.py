@@ -19,11 +19,11 @@ import time
 
 import pytest
 from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
-from served_app import App
+from served_app import serve
 
 from chat.engine import DEFAULT_MODEL
 from finetune.jobs.status import read_events
-from webui import auth, train_handlers, train_view
+from webui import train_handlers, train_view
 
 pytestmark = needs_browser
 
@@ -44,9 +44,7 @@ NOTES: list[str] = []  # what the run showed, printed at the end
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    app = App(tmp_path_factory.mktemp("browser-train"), auth.AuthConfig(password=PASSWORD))
-    yield app
-    app.close()
+    yield from serve(tmp_path_factory, "browser-train", PASSWORD)
 
 
 @pytest.fixture(scope="module")
