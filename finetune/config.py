@@ -73,6 +73,12 @@ class TrainConfig:
         "data (docs/benchmarks.md).",
         default=False,
     )
+    packing: bool | None = _doc(
+        "Pack several dialogues into each training row, attention kept inside each (finetune/packing.py): same "
+        "loss and gradients, ~1.6x fewer multiply-adds on realistic rows. Default: on unless pad_to_max_length "
+        "or attention sdpa-flash (which takes no mask).",
+        default=None,
+    )
     dataloader_num_workers: int | None = _doc(
         "Batch-collating worker processes (default: 2 on GPUs, 0 on CPU).", default=None
     )
@@ -167,6 +173,12 @@ class TrainConfig:
             raise ValueError(
                 f"--eval_attention must be one of {', '.join(EVAL_ATTENTION)}, got {self.eval_attention!r}"
             )
+        if self.packing and self.pad_to_max_length:
+            raise ValueError("--packing and --pad_to_max_length exclude each other: packed rows are never padded")
+        if self.packing and self.attention == "sdpa-flash":
+            raise ValueError(
+                "--packing needs attention masks, which sdpa-flash does not take: choose another --attention"
+            )
         if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
             raise ValueError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         if self.push_to_hub and not self.save_model:
@@ -175,6 +187,13 @@ class TrainConfig:
             raise ValueError("--push_to_hub needs --hub_model_id user/name")
         if self.hub_model_id and self.hub_model_id.count("/") != 1:
             raise ValueError(f"--hub_model_id must look like 'user/name', got {self.hub_model_id!r}")
+
+    @property
+    def packs(self) -> bool:
+        """Whether training batches are packed (``packing``, or its default)."""
+        if self.packing is not None:
+            return self.packing
+        return not self.pad_to_max_length and self.attention != "sdpa-flash"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -34,6 +34,7 @@ from finetune.config import TrainConfig
 from finetune.data import LengthGroupedSampler, row_lengths
 from finetune.evaluate import generation_kwargs
 from finetune.hub import write_model_card
+from finetune.packing import PackingCollator, token_costs
 
 log = get_logger(__name__)
 
@@ -198,10 +199,23 @@ def check_output_dir(cfg: TrainConfig) -> None:
         )
 
 
-def make_loaders(accelerator, data, tokenizer, cfg: TrainConfig) -> tuple[DataLoader, DataLoader, DataLoader | None]:
-    """Train, validation and (when the data has the split) held-out feedback loaders."""
+def make_loaders(
+    accelerator, data, tokenizer, cfg: TrainConfig, model_config
+) -> tuple[DataLoader, DataLoader, DataLoader | None]:
+    """Train, validation and (when the data has the split) held-out feedback loaders; training
+    batches packed when ``cfg.packs`` (evaluation generates from plain padded batches)."""
     pad_multiple = 8 if accelerator.mixed_precision != "no" else None
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
+    train_collator = collator
+    if cfg.packs:
+        train_collator = PackingCollator(
+            tokenizer.pad_token_id,
+            model_config.decoder_start_token_id,
+            cfg.max_source_length,
+            cfg.max_target_length,
+            costs=token_costs(model_config),
+            multiple=pad_multiple,
+        )
     # Collating hundreds of rows per step in Python would leave the GPU waiting: workers do it.
     workers = cfg.dataloader_num_workers
     if workers is None:
@@ -218,7 +232,7 @@ def make_loaders(accelerator, data, tokenizer, cfg: TrainConfig) -> tuple[DataLo
         data["train"],
         batch_size=cfg.per_device_train_batch_size,
         **order,
-        **loader_kwargs,
+        **{**loader_kwargs, "collate_fn": train_collator},
         generator=torch.Generator().manual_seed(cfg.seed),
     )
     eval_dl, feedback_dl = (

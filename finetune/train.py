@@ -42,6 +42,7 @@ from transformers import AutoConfig
 from chat.layout import RESULTS_FILE
 from chat.model import configure_attention, load_model, load_tokenizer, resolve
 from finetune import checkpoint as ckpt
+from finetune import packing
 from finetune.config import TrainConfig
 from finetune.data import load_raw, tokenize
 from finetune.evaluate import evaluate_all, scores
@@ -181,7 +182,9 @@ def setup(cfg: TrainConfig) -> Run:
     # After the accelerator exists, so ZeRO-3 can partition the weights as they load.
     model = load_model(cfg.model_name_or_path, attn_implementation=configure_attention(cfg.attention))
     cfg.per_device_train_batch_size = resolve_batch(cfg, accelerator, model)  # 'auto': the largest that fits
-    train_dl, eval_dl, feedback_dl = make_loaders(accelerator, data, tokenizer, cfg)
+    train_dl, eval_dl, feedback_dl = make_loaders(accelerator, data, tokenizer, cfg, model.config)
+    if cfg.packs:
+        packing.install(model)  # hooks that apply packed batches' masks and positions
     steps_per_epoch, total_steps, epochs = plan_steps(len(data["train"]), accelerator, cfg)
     optimizer, scheduler = make_optimizer(accelerator, model, cfg, total_steps)
     phase(preparing_phase(accelerator))
@@ -302,9 +305,9 @@ def forward_backward(run: Run, batch) -> torch.Tensor:
     """One micro-batch: forward, backward, and the optimizer step once the accumulation is
     complete. Adds the loss to the window; returns whether it was finite (a device tensor)."""
     cfg, acc = run.cfg, run.accelerator
-    with acc.accumulate(run.model):
+    with acc.accumulate(run.model), packing.packed(batch) as inputs:
         try:
-            loss = run.model(**batch).loss
+            loss = run.model(**inputs).loss
             acc.backward(loss)
             run.optimizer.step()
             run.scheduler.step()
@@ -318,7 +321,7 @@ def forward_backward(run: Run, batch) -> torch.Tensor:
                 step=run.completed,
             ) from None
     window = run.window
-    window.samples += batch["input_ids"].shape[0] * acc.num_processes
+    window.samples += packing.samples_in(batch) * acc.num_processes
     value = loss.detach().float()
     finite = torch.isfinite(value)
     window.sums += torch.stack([torch.where(finite, value, 0.0), finite.float()])
