@@ -8,9 +8,11 @@ as the training benchmark's evaluation uses); every reply is forced to ``--new_t
 timing does not depend on the (random) weights. Variants:
 
 * ``plain``: transformers' generate() as it comes (its n-gram loops and beam cache);
-* ``fastgen``: ``chat.fastgen.fast_kwargs``, what ``finetune.evaluate`` uses;
+* ``fastgen``: ``chat.fastgen.fast_kwargs``, what ``finetune.evaluate`` uses (its n-gram
+  processors and ``BeamCache``: cross-attention never reordered, self-attention reordered lazily);
 * ``graphs``: fastgen plus ``chat.graphs.StepGraphs`` (the decoder step replayed as a CUDA graph);
-* ``grouped``: fastgen with beam-grouped cross-attention (``--eval_attention grouped``).
+* ``grouped``: fastgen with beam-grouped cross-attention (``--eval_attention grouped``), its
+  keys/values projected and cached once per input rather than once per beam.
 
 ``--profile NAME`` profiles that variant's timed call (kernels grouped by kind, ``bench.profile``)
 and writes ``profile-NAME.json`` to ``--out``.
