@@ -25,11 +25,13 @@ and optimizer on batches already on the GPU, with no loader: every ratio also ha
 Parts: ``train`` (samples/s, seconds per 10,000-sample epoch, peak memory, MFU, time to the
 first logged step, evaluation of 1,000 rows with the seed's generation settings; seed, seed
 compute and tuned), ``levers`` (tuned compute with one change each: DeepSpeed buckets, torch.compile
-per layer; the seed's JSON in bf16), ``profile`` (seed and tuned compute with their GPU time by
+per layer; the seed's JSON in bf16), ``zero`` (tuned compute with other ZeRO settings for one GPU:
+no side stream, stage 1, stage 0), ``profile`` (seed and tuned compute with their GPU time by
 kernel kind, and tuned compute with the whole model compiled), ``attention`` (tuned compute with
 each attention kernel, profiled), ``alloc`` (the allocator's expandable segments, compute and CLI), ``auto``
 (``--per_device_train_batch_size auto``: the CLI and its compute),
-``memory`` (second batch sizes for the memory model, finetune/memory.py), ``realistic``,
+``memory`` (second batch sizes for the memory model, finetune/memory.py), ``realistic`` (seed,
+tuned, and tuned without packing),
 ``maxbatch`` (largest micro-batch per GPU: each probe is a short run; an out-of-memory probe
 ends cleanly with the CLI's own error and the next size is tried) and ``scaling`` (1 GPU vs all).
 Results: ``OUT/results.json`` and ``OUT/results.md``.
@@ -58,7 +60,10 @@ from bench.train_runs import N_EVAL, PREFIX, Variant, run, setup_of
 log = logging.getLogger("bench.train")
 
 H200_PEAK_BF16 = 989e12  # dense bf16 tensor-core peak of one H200 (datasheet)
-PARTS = ("train", "levers", "profile", "attention", "alloc", "auto", "memory", "realistic", "maxbatch", "scaling")
+PARTS = (
+    *("train", "levers", "zero", "profile", "attention", "alloc"),
+    *("auto", "memory", "realistic", "maxbatch", "scaling"),
+)
 N_ROWS = 34_000  # rows per data file (10 steps of 1,600 x 2 fit in one epoch); cached tokenization
 
 
@@ -191,6 +196,9 @@ def plan(
             v("tuned", "zero2", "fixed", tuned_batch, mode="compute", bucket=5e8),
             v("tuned", "zero2", "fixed", tuned_batch, mode="compute", compile="layers"),
         ]
+    if "zero" in parts:  # ZeRO settings on one GPU: its gradient buckets and side stream do no reducing there
+        for zero in ("", "overlap_comm=false", "stage=1,overlap_comm=false", "stage=0"):
+            out.append(v("tuned", "zero2", "fixed", tuned_batch, mode="compute", zero=zero))
     if "profile" in parts:  # where a step's GPU time goes, and whether one graph for the whole model helps
         long = {"steps": 16 if not smoke else 8, "profile": 2}
         out += [
@@ -221,6 +229,7 @@ def plan(
         ]
     if "realistic" in parts:
         out += [v(r, "zero2", "realistic", tuned_batch if r == "tuned" else batch) for r in ("seed", "tuned")]
+        out.append(v("tuned", "zero2", "realistic", tuned_batch, packing=False))  # per-batch padding: the lever
     if "scaling" in parts and n > 1:
         out.append(Variant("tuned", "zero2", "fixed", tuned_batch, 1, steps=steps))
     return out

@@ -78,11 +78,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, help="Steps to profile from step 5.")
     parser.add_argument("--attention", choices=ATTENTION, default="sdpa", help="As the CLI's --attention.")
     parser.add_argument("--bucket", type=float, help="DeepSpeed reduce/allgather bucket size (elements).")
+    parser.add_argument(
+        "--zero",
+        type=zero_overrides,
+        default={},
+        help="DeepSpeed zero_optimization overrides, e.g. stage=1,overlap_comm=false",
+    )
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--num_warmup_steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=25)
     parser.add_argument("--output_dir", type=Path, required=True)
     return parser.parse_args(argv)
+
+
+def zero_overrides(text: str) -> dict:
+    """``stage=1,overlap_comm=false`` -> {"stage": 1, "overlap_comm": False} (JSON values)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
+        out[key.strip()] = json.loads(value.strip())
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.bucket:
             zero = ds.deepspeed_config["zero_optimization"]
             zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = args.bucket
+        ds.deepspeed_config["zero_optimization"].update(args.zero)
     if args.compile == "layers":
         compile_layers(model)
     elif args.compile == "model":  # one graph for the whole forward (fixed shapes: no recompiles)
@@ -134,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_mem_static_gib=torch.cuda.memory_allocated() / 2**30 if cuda else None,
         compile=args.compile,
         bucket=args.bucket,
+        zero=args.zero,
     )
     model.train()
     profiler = Profile(args.output_dir, first=5, steps=args.profile) if args.profile and acc.is_main_process else None

@@ -43,6 +43,11 @@ def speedups(runs: list[dict]) -> dict:
                 v = r["variant"]
                 if v["strategy"] == strategy and v["data"] == "fixed" and r is not base and r not in by.values():
                     out[f"{r['name']} vs seed compute"] = r["samples_per_second"] / base["samples_per_second"]
+    for r in ok:  # a lever switched off (e.g. -nopack) against the seed of its setup
+        v = r["variant"]
+        seed = by.get(("seed", v["strategy"], v["data"], v["processes"]))
+        if v.get("packing") is False and seed:
+            out[f"{r['name']} vs seed"] = r["samples_per_second"] / seed["samples_per_second"]
     one = by.get(("tuned", "zero2", "fixed", 1))
     many = [r for k, r in by.items() if k[:3] == ("tuned", "zero2", "fixed") and k[3] > 1]
     if one and many:

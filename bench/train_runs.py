@@ -44,6 +44,8 @@ class Variant:
     expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fewer allocator retries)
     profile: int = 0  # compute runs: steps profiled from step 5 (bench/profile.py)
     bucket: float | None = None  # compute runs: DeepSpeed bucket sizes (elements)
+    packing: bool | None = None  # CLI runs: --packing (None: the CLI's default, on for tuned)
+    zero: str = ""  # compute runs: DeepSpeed zero_optimization overrides, "stage=1,overlap_comm=false"
 
     @property
     def precision(self) -> str:
@@ -57,13 +59,15 @@ class Variant:
             + (f"-bucket{self.bucket / 1e6:g}M" if self.bucket else "")
             + (f"-{self.attention}" if self.attention != "sdpa" else "")
             + ("-expandable" if self.expandable else "")
+            + ("-nopack" if self.packing is False else "")
+            + (f"-zero-{self.zero.replace('=', '').replace(',', '-')}" if self.zero else "")
         )
         return f"{recipe}-{self.strategy}-{self.precision}-{self.data}-b{self.batch}-x{self.processes}{extras}"
 
     @property
     def plain(self) -> bool:
         """A CLI run of the recipe as it is (its precision, a fixed batch): what ratios pair up."""
-        return self.mode == "cli" and self.dtype is None and self.batch != "auto"
+        return self.mode == "cli" and self.dtype is None and self.batch != "auto" and self.packing is None
 
 
 def setup_of(result: dict) -> tuple[str, str, str, int]:
@@ -97,6 +101,7 @@ def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]
             str(out_dir),
         ]
         args += ["--bucket", f"{v.bucket:g}"] if v.bucket else []
+        args += ["--zero", v.zero] if v.zero else []
         args += ["--profile", str(v.profile)] if v.profile else []
         args += ["--attention", v.attention] if v.attention != "sdpa" else []
         return [*accelerate, *launcher, "-m", "bench.train_compute", *args]
@@ -124,6 +129,8 @@ def command(v: Variant, data_dir: Path, out_dir: Path, smoke: bool) -> list[str]
         "output_dir": out_dir,
     }
     args = [word for flag, value in flags.items() for word in (f"--{flag}", str(value))]
+    if v.packing is not None:
+        args += ["--packing", str(v.packing).lower()]
     if v.recipe == "seed":
         args += ["--pad_to_max_length", "--group_by_length", "false", "--fast_ngram_blocking", "false"]
         args += ["--dataloader_num_workers", "0", "--attention", "sdpa", "--eval_attention", "sdpa"]

@@ -3,6 +3,7 @@ max-batch search, and the CPU smoke run (the real CLI on the tiny model, both re
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from dataclasses import asdict
 import pytest
 
 from bench import train as train_bench
+from bench.train_compute import zero_overrides
 from bench.train_report import speedups
 from bench.train_runs import Variant, command
 from chat.layout import ROOT
@@ -60,6 +62,13 @@ def test_compute_runs_use_the_recipes_deepspeed_json_without_the_cli(tmp_path):
     argv = command(profiled, tmp_path, tmp_path / "o", smoke=False)
     assert argv[argv.index("--profile") + 1] == "2" and argv[argv.index("--compile") + 1] == "model"
     assert profiled.name.endswith("-compile-model")
+    zero = Variant("tuned", "zero2", "fixed", 1600, 1, mode="compute", zero="stage=1,overlap_comm=false")
+    argv = command(zero, tmp_path, tmp_path / "o", smoke=False)
+    assert argv[argv.index("--zero") + 1] == "stage=1,overlap_comm=false"
+    assert zero.name.endswith("-zero-stage1-overlap_commfalse")
+    assert zero_overrides("stage=1,overlap_comm=false") == {"stage": 1, "overlap_comm": False}
+    with pytest.raises(argparse.ArgumentTypeError, match="key=value"):
+        zero_overrides("stage")
     # every train-part seed run has its compute twin, at the same batch
     planned = train_bench.plan(["train"], 1, 800, 1600, smoke=False, strategies=("zero2",))
     assert [v.name for v in planned] == [
@@ -96,7 +105,10 @@ def test_speedups_pair_recipes_of_the_same_setup():
         result("tuned", "realistic", 350),
         result("tuned", "fixed", 85, n=1),
     ]
+    nopack = Variant("tuned", "zero2", "realistic", 800, 2, packing=False)  # the lever switched off
+    runs.append({"name": nopack.name, "ok": True, "variant": asdict(nopack), "samples_per_second": 220})
     got = speedups(runs)
+    assert got[f"{nopack.name} vs seed"] == pytest.approx(2.2)
     assert got["training samples/s, zero2, fixed"] == pytest.approx(1.6)
     assert got["evaluation, zero2, fixed (seed s / tuned s)"] == pytest.approx(6.0)
     assert got["training samples/s, zero2, realistic"] == pytest.approx(3.5)
