@@ -118,15 +118,23 @@ class Throttle:
             _, until = self._clients.get(client, (0, 0.0))
         return max(0.0, until - time.monotonic())
 
-    def failed(self, client: str) -> None:
+    def admit(self, client: str) -> float:
+        """Seconds ``client`` must still wait (refused, not counted), or 0: the attempt may go on
+        and counts as a failure until ``succeeded``. One step under the lock, so concurrent
+        attempts from one address cannot all pass the check before any of them is counted."""
         with self._lock:
-            failures, _ = self._clients.pop(client, (0, 0.0))
+            failures, until = self._clients.pop(client, (0, 0.0))
+            now = time.monotonic()
+            if until > now:
+                self._clients[client] = (failures, until)
+                return until - now
             failures += 1
             over = failures - self.max_failures
-            until = time.monotonic() + min(3600.0, self.lockout * 2**over) if over >= 0 else 0.0
+            until = now + min(3600.0, self.lockout * 2**over) if over >= 0 else 0.0
             self._clients[client] = (failures, until)
             while len(self._clients) > self.capacity:
                 self._clients.popitem(last=False)
+        return 0.0
 
     def succeeded(self, client: str) -> None:
         with self._lock:
@@ -230,7 +238,7 @@ def login(config: AuthConfig, password: str | None, client: str) -> tuple[str, s
             "Password login is not configured on this server."
             + (" Sign in with Hugging Face instead." if config.oauth else f" Set {PASSWORD_ENV} to enable it.")
         )
-    wait = config.throttle.wait_seconds(client)
+    wait = config.throttle.admit(client)  # (counted as wrong until it proves right)
     if wait > 0:
         log.warning("training login refused for %s: locked out for %.0f s more", client, wait)
         raise AuthError(f"Too many wrong passwords from your address: try again in {wait:.0f} s.")
@@ -245,7 +253,6 @@ def login(config: AuthConfig, password: str | None, client: str) -> tuple[str, s
         return config.logins.issue(), (
             "✅ Logged in: you can start, stop, resume and push runs, upload data and switch the served model."
         )
-    config.throttle.failed(client)
     log.warning("training login failed from %s (wrong password)", client)
     raise AuthError("Wrong password.")
 
