@@ -67,6 +67,7 @@ def test_a_wrong_password_flood_neither_fills_the_queue_nor_locks_out_the_traine
             while not stop.is_set() and len(refused) < 2000:
                 refused.append(run_predict(http, login, [None, "guess"], client=ATTACKER).json())
 
+    flood_started = time.monotonic()
     with ThreadPoolExecutor(6) as pool:
         for _ in range(6):
             pool.submit(flood)
@@ -78,11 +79,18 @@ def test_a_wrong_password_flood_neither_fills_the_queue_nor_locks_out_the_traine
             markdown, _ = trainer("train_login", PASSWORD)  # another address: not locked out
         finally:
             stop.set()
+    flood_s = time.monotonic() - flood_started
     assert markdown.startswith("🔓 **Logged in**")
     messages = [str(r.get("error") or "") for r in refused]
-    assert sum("Too many wrong passwords" in m for m in messages) >= len(refused) - auth.MAX_FAILURES
+    # MAX_FAILURES guesses, then one more each time a lockout (60 s, doubling) ends during the flood
+    # (on a busy 2-core machine the 18 chats under the flood can outlast the first lockout).
+    expired = sum(1 for k in range(1, 12) if auth.LOCKOUT_SECONDS * (2**k - 1) < flood_s)
+    guesses = sum(m == "Wrong password." for m in messages)
+    assert guesses <= auth.MAX_FAILURES + expired
+    assert sum("Too many wrong passwords" in m for m in messages) == len(refused) - guesses
     with capsys.disabled():
-        print(f"\nchat median {alone:.3f} s alone, {statistics.median(under):.3f} s during {len(refused)} wrong logins")
+        during = f"{statistics.median(under):.3f} s during {len(refused)} wrong logins"
+        print(f"\nchat median {alone:.3f} s alone, {during} ({flood_s:.0f} s, {guesses} guesses)")
     # Every one of the 18 chat calls answered (chat_latencies asserts it); before, 13 of 18 failed with
     # "Queue is full". The latencies are printed, not asserted: the flood runs in this very process.
     assert len(under) == 18

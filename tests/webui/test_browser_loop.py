@@ -221,7 +221,8 @@ def test_chat_correct_accept_retrain_measure_compare_vote(served, page, shots, r
     page.locator("#compare-model-b input").click()
     page.get_by_role("option", name=f"{run_id}/final").click()
     page.locator("#compare-load").click()
-    expect(page.locator("#compare-load-note")).to_contain_text("Comparing A demo model")
+    # Loading B is a real model load: on a busy 2-core CI machine it outlasted expect's 5 s default.
+    expect(page.locator("#compare-load-note")).to_contain_text("Comparing A demo model", timeout=30_000)
     expect(page.locator("#compare-pair")).to_contain_text(f"{run_id}/final")
     box = page.locator("#compare-input textarea")
     box.fill(MESSAGES[0])
