@@ -122,8 +122,6 @@ class PackingCollator:
     def _cheapest(self, sources: list[int], targets: list[int]) -> tuple[list[list[int]], int, int]:
         best = None
         for capacity in sorted({*range(self._width(max(targets)), self.max_target + 1, 8), self.max_target}):
-            if capacity < max(targets):
-                continue
             rows = pack_rows(sources, targets, self.max_source, capacity)
             width_s = self._width(max(sum(sources[i] for i in row) for row in rows))
             width_t = self._width(max(sum(targets[i] for i in row) for row in rows))
