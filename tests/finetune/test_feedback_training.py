@@ -162,6 +162,16 @@ def test_bleu_by_kind_scores_each_group_alone():
     assert bleu_by_kind([], [], []) == {}
 
 
+def test_bleu_by_kind_reuses_the_whole_corpus_score_for_a_kind_with_every_row():
+    preds, refs = ["the cat sat on the mat", "hello there my friend"], ["the cat sat on a mat", "hello there friend"]
+    whole = sacrebleu.corpus_bleu(preds, [refs]).score
+    assert bleu_by_kind(preds, refs, ["none", "none"], whole=whole) == bleu_by_kind(preds, refs, ["none", "none"])
+    # a kind with only some rows is still scored on its own rows, whatever whole says
+    mixed = bleu_by_kind(preds, refs, ["none", "persona"], whole=-1.0)
+    assert mixed["eval_bleu_none"] == pytest.approx(sacrebleu.corpus_bleu(preds[:1], [refs[:1]]).score)
+    assert mixed["eval_bleu_persona"] == pytest.approx(sacrebleu.corpus_bleu(preds[1:], [refs[1:]]).score)
+
+
 def test_scores_are_the_figures_beside_bleu_and_loss():
     results = {"eval_bleu": 1.0, "eval_loss": 2.0, "eval_samples": 3, "eval_seconds": 4.0, "samples": []}
     extra = {"eval_bleu_task": 5.0, "eval_rows_task": 3, "eval_bleu_feedback": 6.0, "eval_loss_feedback": 7.0}
