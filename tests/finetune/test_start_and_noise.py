@@ -138,3 +138,24 @@ def test_the_log_tail_has_no_escape_codes_or_redraws(tmp_path):
     log = "\x1b[32mgreen\x1b[0m line\nbar 1/4\rbar 4/4\x1b[A\n\x1b[2Kdone\n"
     status = status_of(failed_run(tmp_path, log=log))
     assert status.log_tail.splitlines() == ["green line", "bar 4/4", "done"]
+
+
+@pytest.mark.parametrize("preset", [None, "max_split_size_mb:64"])
+def test_the_entry_point_lets_the_cuda_allocator_grow_segments_unless_configured(preset):
+    """`python -m finetune` turns on expandable segments before torch starts CUDA (the first
+    evaluation's growing beam caches), and leaves a user's own allocator setting alone."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if preset:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = preset
+    code = (
+        "import os, runpy, sys\n"
+        "sys.argv = ['finetune', '--help']\n"
+        "try:\n    runpy.run_module('finetune', run_name='__main__')\nexcept SystemExit as end:\n    assert not end.code\n"
+        "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage: python -m finetune" in proc.stdout  # the real CLI ran
+    assert proc.stdout.strip().splitlines()[-1] == (preset or "expandable_segments:True")
