@@ -12,8 +12,9 @@ milliseconds per shape) for every decoding strategy:
   so a graph can read and write them by address; beam search reorders the self-attention half in
   place and, as ``chat.fastgen.BeamCache`` does, leaves the beam-invariant cross-attention alone;
 * ``generate()`` calls the model as usual; while ``StepGraphs.decoding`` is active the model's
-  forward replays the graph for every step after the first (the first computes the
-  cross-attention keys/values and runs eagerly);
+  forward replays one of two graphs: the first step's (which projects the encoder's output, copied
+  into a static tensor, into the cross-attention cache; eagerly it was ~15 ms of a ~80 ms reply
+  on an H200; recorded from a shape's second reply on) or every later step's;
 * one graph and cache per shape (hypotheses, source length, cache length, dtype, attention, and
   where the weights live); the least recently used are dropped beyond ``capacity`` shapes or
   ``budget_bytes`` of caches (8 concurrent beam-10 chats over 128 tokens hold ~1.2 GB in fp32).
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import EncoderDecoderCache, StaticCache
+from transformers.modeling_outputs import BaseModelOutput
 
 from chat.fastgen import CACHE_KWARG
 
@@ -56,31 +58,67 @@ class GraphCache(EncoderDecoderCache):
 
 
 @dataclass
+class _Recorded:
+    """One recorded forward: the graph and the output each replay overwrites."""
+
+    graph: torch.cuda.CUDAGraph | None = None
+    output: object = None
+    failed: bool = False
+
+
+@dataclass
 class _Entry:
-    """One shape's cache and, once captured, its graph and the static tensors it reads and writes."""
+    """One shape's cache, the static tensors its graphs read, and two graphs: the first step (which
+    fills the cross-attention cache from the encoder's output) and every later step."""
 
     cache: GraphCache
-    graph: torch.cuda.CUDAGraph | None = None
-    inputs: dict = field(default_factory=dict)  # the step's tensor inputs, at fixed addresses
-    output: object = None  # the captured forward's output; its logits are overwritten by each replay
-    failed: bool = False
+    inputs: dict = field(default_factory=dict)  # the steps' tensor inputs, at fixed addresses
+    first: _Recorded = field(default_factory=_Recorded)
+    step: _Recorded = field(default_factory=_Recorded)
     bytes: int = 0  # what its caches hold (estimated from the shape)
+    uses: int = 0  # generate() calls on this shape so far
 
-    def step_kwargs(self, kw: dict) -> dict:
-        """The forward's kwargs for one decoder step, its tensors copied into the static ones. The
-        decoder gets an all-ones mask over the whole cache (causality comes from the positions):
-        without one it builds its own, sized by the cache's length, a tensor read on the host."""
-        ids, mask = kw["decoder_input_ids"], kw["attention_mask"]
+    @property
+    def failed(self) -> bool:
+        return self.first.failed or self.step.failed
+
+    def step_kwargs(self, kw: dict, first: bool = False) -> dict | None:
+        """The forward's kwargs for one decoder step, its tensors copied into the static ones (for
+        the ``first`` step the encoder's output too); None when ``kw`` is not of the form this
+        shape's graphs take.
+
+        The decoder's mask: transformers 5.2x makes a 4-D one over the static cache before every
+        step (a graph input like the token ids); older releases pass none, and the decoder then
+        gets an all-ones mask over the whole cache (causality comes from the positions): without
+        one it builds its own, sized by the cache's length, a tensor read on the host."""
+        ids, mask, given = kw["decoder_input_ids"], kw["attention_mask"], kw.get("decoder_attention_mask")
         if not self.inputs:
             max_len = self.cache.self_attention_cache.layers[0].max_cache_len
             self.inputs = {
                 "decoder_input_ids": torch.empty_like(ids),
                 "attention_mask": torch.empty_like(mask),
-                "decoder_attention_mask": torch.ones((ids.shape[0], max_len), dtype=mask.dtype, device=mask.device),
+                "decoder_attention_mask": torch.ones((ids.shape[0], max_len), dtype=mask.dtype, device=mask.device)
+                if given is None
+                else torch.empty_like(given),
             }
+        static_mask = self.inputs["decoder_attention_mask"]
+        if given is None:
+            if static_mask.dim() != 2:
+                return None
+        elif given.dim() != 4 or given.shape != static_mask.shape or given.dtype != static_mask.dtype:
+            return None
+        else:
+            static_mask.copy_(given)
         self.inputs["decoder_input_ids"].copy_(ids)
         self.inputs["attention_mask"].copy_(mask)
-        return {**kw, **self.inputs}
+        if not first:
+            return {**kw, **self.inputs}
+        hidden = kw["encoder_outputs"][0]
+        if self.inputs.get("encoder_hidden") is None or self.inputs["encoder_hidden"].dtype != hidden.dtype:
+            self.inputs["encoder_hidden"] = torch.empty_like(hidden)
+        self.inputs["encoder_hidden"].copy_(hidden)
+        encoder = BaseModelOutput(last_hidden_state=self.inputs["encoder_hidden"])
+        return {**kw, **{k: v for k, v in self.inputs.items() if k != "encoder_hidden"}, "encoder_outputs": encoder}
 
 
 def cache_length(kwargs: dict, model) -> int:
@@ -136,21 +174,36 @@ class StepGraphs:
         with self._lock:
             entry = self._entry(model, input_ids.shape[0] * beams, input_ids.shape[1], cache_length(kwargs, model))
             entry.cache.reset()
+            entry.uses += 1
             # accelerate may have set an instance forward (mixed-precision wrapper): keep and restore it.
             own = model.__dict__.get("forward")
             eager = model.forward
 
             def forward(*args, **kw):
-                step = not args and kw.get(CACHE_KWARG) is entry.cache and entry.cache.cross_ready()
-                if not step or kw["decoder_input_ids"].shape[1] != 1 or "decoder_attention_mask" in kw:
-                    return eager(*args, **kw)  # the first step (and anything else) runs as usual
-                static = entry.step_kwargs(kw)
+                ours = not args and kw.get(CACHE_KWARG) is entry.cache and kw["decoder_input_ids"].shape[1] == 1
+                first = ours and not entry.cache.cross_ready()
+                # A shape's first step is recorded from its second generate() on: recording costs
+                # about two eager steps, which a one-off shape (a new source length) would pay for nothing.
+                if not ours or (first and (entry.uses < 2 or "encoder_outputs" not in kw)):
+                    return eager(*args, **kw)  # anything else runs as usual
+                static = entry.step_kwargs(kw, first)
+                if static is None:
+                    return eager(*args, **kw)
+                recorded = entry.first if first else entry.step
                 on_gpu = static["decoder_input_ids"].is_cuda
-                if not on_gpu or entry.failed or (entry.graph is None and not self._capture(entry, eager, static)):
+                if (
+                    not on_gpu
+                    or recorded.failed
+                    or (recorded.graph is None and not self._capture(recorded, entry, eager, static))
+                ):
                     return eager(**static)  # the step as a graph would record it, run directly
-                entry.graph.replay()
+                recorded.graph.replay()
+                if first:  # what the recorded forward did in Python: the cross-attention cache is filled
+                    entry.cache.is_updated.update(
+                        dict.fromkeys(range(len(entry.cache.cross_attention_cache.layers)), True)
+                    )
                 self.replays += 1
-                return entry.output
+                return recorded.output
 
             model.forward = forward
             try:
@@ -162,30 +215,39 @@ class StepGraphs:
                 else:
                     model.forward = own
 
-    def _capture(self, entry: _Entry, eager, static: dict) -> bool:
-        """Record the step; the cache is left exactly as before, so the replay that follows is the step."""
-        layers = entry.cache.self_attention_cache.layers
+    def _capture(self, recorded: _Recorded, entry: _Entry, eager, static: dict) -> bool:
+        """Record a step; the cache is left exactly as before, so the replay that follows is the step."""
+        cache = entry.cache
+        layers = [*cache.self_attention_cache.layers, *cache.cross_attention_cache.layers]
         lengths = [layer.cumulative_length.clone() for layer in layers]
+        updated = dict(cache.is_updated)
+
+        def rewind() -> None:  # positions (tensors the kernels moved) and cross-attention flags (Python)
+            for layer, length in zip(layers, lengths):
+                layer.cumulative_length.copy_(length)
+            cache.is_updated.clear()
+            cache.is_updated.update(updated)
+
         try:
-            # Warm up on a side stream (as torch.cuda.graphs asks), then rewind the cache position.
+            # Warm up on a side stream (as torch.cuda.graphs asks; it also allocates a fresh cache's
+            # tensors), then rewind the cache.
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 eager(**static)
             torch.cuda.current_stream().wait_stream(side)
-            for layer, length in zip(layers, lengths):
-                layer.cumulative_length.copy_(length)
+            rewind()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a model loading in another thread meanwhile (a swap) must not void it.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                entry.output = eager(**static)
+                recorded.output = eager(**static)
+            rewind()  # recording ran the Python (flags) but no kernels
         except Exception as err:  # some model code cannot be captured: serve this shape eagerly
             log.warning("CUDA-graph capture failed (%s: %s); decoding this shape eagerly", type(err).__name__, err)
-            entry.failed = True
-            for layer, length in zip(layers, lengths):
-                layer.cumulative_length.copy_(length)
+            recorded.failed = True
+            rewind()
             return False
-        entry.graph = graph
+        recorded.graph = graph
         return True
 
 

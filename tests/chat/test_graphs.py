@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from transformers import AutoTokenizer
 
 from chat.fastgen import CACHE_KWARG, fast_kwargs
-from chat.graphs import StepGraphs, cache_bytes, cache_length, for_model
+from chat.graphs import StepGraphs, _Entry, cache_bytes, cache_length, for_model
 from chat.model import load_model
 
 TEXTS = ["chatbot: hello there, how are you doing today?", "chatbot: your persona: i like jazz. </s>  <s> hi"]
@@ -40,9 +40,11 @@ def test_static_cache_decoding_gives_the_sequences_of_plain_generate(tiny, strat
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True)  # two lengths: one row is padded
     graphs = StepGraphs()
     expected = _generate(model, batch, SETTINGS[strategy])
-    for _ in range(2):  # the second call reuses (and resets) the first call's cache
+    for call in range(2):  # the second call reuses (and resets) the first call's cache
         assert torch.equal(_generate(model, batch, SETTINGS[strategy], graphs), expected)
-    assert len(graphs._entries) == 1
+        (entry,) = graphs._entries.values()
+        # the first step runs from static copies of its inputs (what a GPU records) from the second call on
+        assert ("encoder_hidden" in entry.inputs) == (call == 1)
 
 
 def test_forward_is_put_back_even_on_errors(tiny):
@@ -104,6 +106,15 @@ def test_cache_length_and_one_graph_set_per_model(tiny):
     assert for_model(model) is for_model(model)
 
 
+def _fake_caches(cache) -> FakeTensorMode:
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    for half in (cache.self_attention_cache, cache.cross_attention_cache):
+        for layer in half.layers:
+            layer.keys, layer.values = fake.from_tensor(layer.keys), fake.from_tensor(layer.values)
+            layer.cumulative_length = fake.from_tensor(layer.cumulative_length)
+    return fake
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
     """A CUDA graph records kernels only: a step that turns a tensor into a Python value (``.item()``,
@@ -126,16 +137,83 @@ def test_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
             model(**first)
             assert entry.cache.cross_ready()
             step = entry.step_kwargs(first)
-            fake = FakeTensorMode(allow_non_fake_inputs=True)
-            for half in (entry.cache.self_attention_cache, entry.cache.cross_attention_cache):
-                for layer in half.layers:
-                    layer.keys, layer.values = fake.from_tensor(layer.keys), fake.from_tensor(layer.values)
-                    layer.cumulative_length = fake.from_tensor(layer.cumulative_length)
-            with fake:
+            with _fake_caches(entry.cache):
                 assert model(**step).logits.shape[:2] == (2, 1)
                 without_mask = {k: v for k, v in step.items() if k != "decoder_attention_mask"}
                 with pytest.raises(DataDependentOutputException):  # the check can fail: this step syncs
                     model(**without_mask)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_first_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
+    """The first step is recorded too: it projects the encoder's output into the cross-attention
+    cache (from static copies of its inputs) and must read nothing on the host either."""
+    tokenizer, model = tiny
+    model.set_attn_implementation(attention)
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    entry = StepGraphs()._entry(model, 2, batch["input_ids"].shape[1], 8)
+    first = dict(
+        decoder_input_ids=torch.full((2, 1), model.config.decoder_start_token_id),
+        encoder_outputs=model.get_encoder()(**batch),
+        attention_mask=batch["attention_mask"],
+        use_cache=True,
+        **{CACHE_KWARG: entry.cache},
+    )
+    try:
+        with torch.no_grad():
+            static = entry.step_kwargs(first, first=True)
+            assert static["encoder_outputs"][0] is entry.inputs["encoder_hidden"]
+            expected = model(**static).logits  # also allocates the cache's tensors
+            entry.cache.reset()
+            assert not entry.cache.cross_ready()
+            with _fake_caches(entry.cache):
+                assert model(**static).logits.shape == expected.shape
+            assert entry.cache.cross_ready()
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def _handed_kwargs(model, batch, monkeypatch) -> tuple[_Entry, dict]:
+    """The static kwargs generate() hands the recorded forward (first step and a later one), from
+    two beam-search calls on one shape; the shape's entry is not used again after a check."""
+    seen, step_kwargs = {}, _Entry.step_kwargs
+
+    def spy(self, kw, first=False):
+        static = step_kwargs(self, kw, first)
+        seen.setdefault("first" if first else "step", static)
+        return static
+
+    monkeypatch.setattr(_Entry, "step_kwargs", spy)
+    graphs = StepGraphs()
+    for _ in range(2):  # the first step takes its static inputs from the shape's second call on
+        _generate(model, batch, SETTINGS["beam"], graphs)
+    monkeypatch.setattr(_Entry, "step_kwargs", step_kwargs)
+    assert set(seen) == {"first", "step"}  # generate() went through both
+    (entry,) = graphs._entries.values()
+    entry.cache.reset()
+    return entry, seen
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_steps_generate_hands_the_graphs_read_no_tensor_data_on_the_host(tiny, attention, monkeypatch):
+    """The same check on the very kwargs generate() hands the recorded forward, whatever this
+    transformers release passes (5.2x adds a 4-D decoder mask that older releases do not): the
+    first step's and a later step's, each run under fake tensors."""
+    tokenizer, model = tiny
+    model.set_attn_implementation(attention)
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    try:
+        with torch.no_grad():
+            entry, seen = _handed_kwargs(model, batch, monkeypatch)
+            with _fake_caches(entry.cache):
+                model(**seen["first"])
+            assert entry.cache.cross_ready()
+            entry, seen = _handed_kwargs(model, batch, monkeypatch)
+            model(**seen["first"])  # fills the cross-attention cache for real
+            with _fake_caches(entry.cache):
+                assert model(**seen["step"]).logits.shape[1] == 1
     finally:
         model.set_attn_implementation("sdpa")
 
@@ -152,3 +230,5 @@ def test_graph_replay_gives_the_sequences_of_plain_generate(tiny_path, strategy)
     for _ in range(2):
         assert torch.equal(_generate(model, batch, SETTINGS[strategy], graphs), expected)
     assert graphs.replays > 0 and not any(entry.failed for entry in graphs._entries.values())
+    # every step came from a graph, the first included: one replay per new token per generate() call
+    assert all(entry.first.graph is not None and entry.step.graph is not None for entry in graphs._entries.values())
