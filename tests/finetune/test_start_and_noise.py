@@ -150,7 +150,8 @@ def test_the_entry_point_lets_the_cuda_allocator_grow_segments_unless_configured
     code = (
         "import os, runpy, sys\n"
         "sys.argv = ['finetune', '--help']\n"
-        "try:\n    runpy.run_module('finetune', run_name='__main__')\nexcept SystemExit as end:\n    assert not end.code\n"
+        "try:\n    runpy.run_module('finetune', run_name='__main__')\n"
+        "except SystemExit as end:\n    assert not end.code\n"
         "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
     )
     proc = subprocess.run(
