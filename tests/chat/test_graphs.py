@@ -115,14 +115,9 @@ def _fake_caches(cache) -> FakeTensorMode:
     return fake
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
-    """A CUDA graph records kernels only: a step that turns a tensor into a Python value (``.item()``,
-    a size from a tensor, ``if tensor``) cannot be captured. Under fake tensors that raises, so the
-    step StepGraphs captures (after the first, which fills the cross-attention cache) runs that way
-    here, on the CPU, with every cache tensor fake (real 0-d tensors would pass as constants)."""
-    tokenizer, model = tiny
-    model.set_attn_implementation(attention)
+def _first_step(tokenizer, model):
+    """A fresh shape's entry and the kwargs of its first decoder step (as generate() makes them
+    without a decoder mask: transformers before 5.2x)."""
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
     entry = StepGraphs()._entry(model, 2, batch["input_ids"].shape[1], 8)
     first = dict(
@@ -132,6 +127,18 @@ def test_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
         use_cache=True,
         **{CACHE_KWARG: entry.cache},
     )
+    return entry, first
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
+    """A CUDA graph records kernels only: a step that turns a tensor into a Python value (``.item()``,
+    a size from a tensor, ``if tensor``) cannot be captured. Under fake tensors that raises, so the
+    step StepGraphs captures (after the first, which fills the cross-attention cache) runs that way
+    here, on the CPU, with every cache tensor fake (real 0-d tensors would pass as constants)."""
+    tokenizer, model = tiny
+    model.set_attn_implementation(attention)
+    entry, first = _first_step(tokenizer, model)
     try:
         with torch.no_grad():
             model(**first)
@@ -152,15 +159,7 @@ def test_first_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
     cache (from static copies of its inputs) and must read nothing on the host either."""
     tokenizer, model = tiny
     model.set_attn_implementation(attention)
-    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
-    entry = StepGraphs()._entry(model, 2, batch["input_ids"].shape[1], 8)
-    first = dict(
-        decoder_input_ids=torch.full((2, 1), model.config.decoder_start_token_id),
-        encoder_outputs=model.get_encoder()(**batch),
-        attention_mask=batch["attention_mask"],
-        use_cache=True,
-        **{CACHE_KWARG: entry.cache},
-    )
+    entry, first = _first_step(tokenizer, model)
     try:
         with torch.no_grad():
             static = entry.step_kwargs(first, first=True)
