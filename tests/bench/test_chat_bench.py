@@ -1,6 +1,7 @@
 """The chat benchmark's smoke mode: runs end to end on the demo model and reports every figure."""
 
 import json
+from dataclasses import replace
 
 from bench.chat import main, prompt_set
 from chat.engine import DEMO_DIR
@@ -50,9 +51,29 @@ def test_bench_smoke(tmp_path, capsys):
     for r in data["results"]:
         assert 0 < r["fast"]["first_text_p50"] <= r["fast"]["p50"] <= r["fast"]["p95"]
         assert 0 < r["faithful"]["p50"] <= r["faithful"]["p95"]
+        assert r["fast"]["new_shape_p50"] > 0 and r["faithful"]["new_shape_p50"] > 0
         assert r["throughput"]["concurrent_replies_per_s"] > 0 and r["rss_gib"] > 0
     printed = capsys.readouterr().out
     assert "| plain generate, none" in printed and "| none, graphs capture" in printed and "2/2, 2/2" in printed
+
+
+def test_fresh_prompts_give_every_reply_a_source_length_not_served_before():
+    from bench.chat import fresh_prompts
+    from chat.engine import ChatEngine, load_apart
+
+    engine = ChatEngine(load_apart(str(DEMO_DIR)), "test")
+    prompts = prompt_set(4)
+
+    def length(conv, message):
+        return engine.build_input(replace(conv, turns=[*conv.turns, message]))[0]["input_ids"].shape[1]
+
+    taken = {length(c, m) for c, m in prompts}
+    served = set(taken)
+    fresh = fresh_prompts(engine, prompts, taken)
+    assert len(fresh) == len(prompts)
+    lengths = [length(c, m) for c, m in fresh]
+    assert len(set(lengths)) == len(lengths) and not set(lengths) & served
+    assert all(m.startswith(orig) and c is conv for (c, m), (conv, orig) in zip(fresh, prompts))
 
 
 def test_unknown_graph_mode_is_refused():
