@@ -41,7 +41,9 @@ class Variant:
     dtype: str | None = None  # precision other than the recipe's own (fp16 seed, bf16 tuned)
     compile: str = "none"  # compute runs: "layers" = torch.compile of every layer, "model" = of the whole model
     attention: str = "sdpa"  # compute runs: the CLI's --attention choice (sdpa lets PyTorch pick the kernel)
-    expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fewer allocator retries)
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True/False; None: the process's own default (the CLI
+    # turns expandable segments on, bench.train_compute leaves PyTorch's off)
+    expandable: bool | None = None
     profile: int = 0  # compute runs: steps profiled from step 5 (bench/profile.py)
     bucket: float | None = None  # compute runs: DeepSpeed bucket sizes (elements)
     packing: bool | None = None  # CLI runs: --packing (None: the CLI's default, on for tuned)
@@ -58,7 +60,7 @@ class Variant:
             {"none": "", "layers": "-compile", "model": "-compile-model"}[self.compile]
             + (f"-bucket{self.bucket / 1e6:g}M" if self.bucket else "")
             + (f"-{self.attention}" if self.attention != "sdpa" else "")
-            + ("-expandable" if self.expandable else "")
+            + {None: "", True: "-expandable", False: "-noexpandable"}[self.expandable]
             + ("-nopack" if self.packing is False else "")
             + (f"-zero-{self.zero.replace('=', '').replace(',', '-')}" if self.zero else "")
         )
@@ -168,6 +170,13 @@ def summarize(events: list[dict], launched: float, v: Variant) -> dict:
     return out
 
 
+def env_of(v: Variant) -> dict | None:
+    """The run's environment: this one, with the allocator setting the variant asks for (if any)."""
+    if v.expandable is None:
+        return None
+    return {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{v.expandable}"}
+
+
 def run(v: Variant, data_dir: Path, work: Path, smoke: bool, timeout: float, tag: str = "") -> dict:
     out_dir = work / f"{tag}{v.name}"
     if out_dir.exists():  # a rerun of the same variant starts clean
@@ -176,8 +185,9 @@ def run(v: Variant, data_dir: Path, work: Path, smoke: bool, timeout: float, tag
     log.info("%s: %s", v.name, " ".join(argv[2:]))
     launched = time.time()
     try:
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if v.expandable else None
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(
+            argv, cwd=ROOT, env=env_of(v), capture_output=True, text=True, timeout=timeout, check=False
+        )
         code, stderr = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as err:
         partial = err.stderr or ""

@@ -14,7 +14,7 @@ import pytest
 from bench import train as train_bench
 from bench.train_compute import zero_overrides
 from bench.train_report import speedups
-from bench.train_runs import Variant, command
+from bench.train_runs import Variant, command, env_of
 from chat.layout import ROOT
 from finetune.config import parse_args
 
@@ -69,6 +69,13 @@ def test_compute_runs_use_the_recipes_deepspeed_json_without_the_cli(tmp_path):
     assert zero_overrides("stage=1,overlap_comm=false") == {"stage": 1, "overlap_comm": False}
     with pytest.raises(argparse.ArgumentTypeError, match="key=value"):
         zero_overrides("stage")
+    # the allocator part sets expandable segments both ways explicitly (the CLI's default is on)
+    alloc = train_bench.plan(["alloc"], 1, 800, 1600, smoke=False, strategies=("zero2",))
+    assert [env_of(v)["PYTORCH_CUDA_ALLOC_CONF"] for v in alloc] == [
+        *["expandable_segments:False"] * 2,
+        *["expandable_segments:True"] * 2,
+    ]
+    assert len({v.name for v in alloc}) == 4 and env_of(lever) is None
     # every train-part seed run has its compute twin, at the same batch
     planned = train_bench.plan(["train"], 1, 800, 1600, smoke=False, strategies=("zero2",))
     assert [v.name for v in planned] == [
