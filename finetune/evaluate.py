@@ -86,15 +86,18 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
             if flag.item() > 0:
                 model.train()
                 return None
+        gen_kwargs = fast_kwargs(kwargs, batch["input_ids"]) if cfg.fast_ngram_blocking else kwargs
         with steady_attention(batch["input_ids"].is_cuda):  # an evaluation batch is a new shape
             loss = model(**batch).loss.detach().float()
+            with decoding_attention(generator, cfg):
+                # ZeRO-3 shards the weights: every rank must take part in every generation step.
+                generated = generator.generate(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    synced_gpus=zero3,
+                    **gen_kwargs,
+                )
         losses.append(accelerator.gather_for_metrics(loss.repeat(batch["input_ids"].shape[0])))
-        gen_kwargs = fast_kwargs(kwargs, batch["input_ids"]) if cfg.fast_ngram_blocking else kwargs
-        with decoding_attention(generator, cfg), steady_attention(batch["input_ids"].is_cuda):
-            # ZeRO-3 shards the weights: every rank must take part in every generation step.
-            generated = generator.generate(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], synced_gpus=zero3, **gen_kwargs
-            )
         generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad)
         labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)
         inputs = accelerator.pad_across_processes(batch["input_ids"], dim=1, pad_index=pad)
