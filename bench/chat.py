@@ -3,8 +3,8 @@
 Measures, on the 400M architecture (real weights when the Hub has them, else ``random-400M``),
 for each preset: reply latency p50/p95 over a fixed prompt set from the shipped validation data,
 time to the first streamed text (streaming presets), latency when each reply has a source length
-the engine has not served (what CUDA-graph recording costs real chats), resident memory, and replies/s for N
-concurrent chats against the same chats served one by one. Every reply is forced to exactly
+the engine has not served (what CUDA-graph recording costs real chats), resident memory, and
+replies/s for N concurrent chats against the same chats served one by one. Every reply is forced to exactly
 ``--reply_tokens`` new tokens so latency does not depend on the weights. ``--optimize`` lists
 the variants to compare in one run (the first is the baseline for the speed-up column).
 Results go to stdout as a markdown table and, with ``--out``, to a JSON file.
@@ -53,6 +53,11 @@ def prompt_set(n: int) -> list[tuple[Conversation, str]]:
     return out
 
 
+def source_length(engine: ChatEngine, conv: Conversation, message: str) -> int:
+    """Tokens of the source the engine builds for ``message`` after ``conv``."""
+    return engine.build_input(replace(conv, turns=[*conv.turns, message]))[0]["input_ids"].shape[1]
+
+
 def fresh_prompts(engine: ChatEngine, prompts, taken: set[int]) -> list[tuple[Conversation, str]]:
     """The prompts again, each message lengthened by filler words until its source has a token
     length not in ``taken`` (which grows): every reply meets a shape the engine has not served, as
@@ -61,7 +66,7 @@ def fresh_prompts(engine: ChatEngine, prompts, taken: set[int]) -> list[tuple[Co
     for conv, message in prompts:
         for extra in range(1, 64):
             longer = f"{message}{' really' * extra}"
-            length = engine.build_input(replace(conv, turns=[*conv.turns, longer]))[0]["input_ids"].shape[1]
+            length = source_length(engine, conv, longer)
             if length not in taken:
                 taken.add(length)
                 out.append((conv, longer))
@@ -143,7 +148,7 @@ def bench_variant(
         timings = [timed_reply(engine, conv, message, settings) for _ in range(repeats) for conv, message in prompts]
         latencies, first = [t for t, _ in timings], [f for _, f in timings if f is not None]
         # Then as real chats mostly are: each reply a source length the engine has not served.
-        taken = {engine.build_input(replace(c, turns=[*c.turns, m]))[0]["input_ids"].shape[1] for c, m in prompts}
+        taken = {source_length(engine, c, m) for c, m in prompts}
         fresh = [timed_reply(engine, c, m, settings)[0] for c, m in fresh_prompts(engine, prompts, taken)]
         result[name] = {
             "p50": percentile(latencies, 50),

@@ -1,7 +1,6 @@
 """The chat benchmark's smoke mode: runs end to end on the demo model and reports every figure."""
 
 import json
-from dataclasses import replace
 
 from bench.chat import main, prompt_set
 from chat.engine import DEMO_DIR
@@ -58,20 +57,17 @@ def test_bench_smoke(tmp_path, capsys):
 
 
 def test_fresh_prompts_give_every_reply_a_source_length_not_served_before():
-    from bench.chat import fresh_prompts
+    from bench.chat import fresh_prompts, source_length
     from chat.engine import ChatEngine, load_apart
 
     engine = ChatEngine(load_apart(str(DEMO_DIR)), "test")
     prompts = prompt_set(4)
 
-    def length(conv, message):
-        return engine.build_input(replace(conv, turns=[*conv.turns, message]))[0]["input_ids"].shape[1]
-
-    taken = {length(c, m) for c, m in prompts}
+    taken = {source_length(engine, c, m) for c, m in prompts}
     served = set(taken)
     fresh = fresh_prompts(engine, prompts, taken)
     assert len(fresh) == len(prompts)
-    lengths = [length(c, m) for c, m in fresh]
+    lengths = [source_length(engine, c, m) for c, m in fresh]
     assert len(set(lengths)) == len(lengths) and not set(lengths) & served
     assert all(m.startswith(orig) and c is conv for (c, m), (conv, orig) in zip(fresh, prompts))
 
