@@ -72,8 +72,19 @@ class FanOutStreamer(BaseStreamer):
                 self.done[i] = True
 
 
-def _pad(encodings: list[dict], pad_id: int) -> dict:
+# CUDA-graph decoding pads sources up to a multiple of this many tokens. ``chat.graphs`` records
+# graphs per source length, and real chats rarely repeat one: rounded lengths let most replies
+# replay graphs recorded for an earlier one instead of recording new ones (docs/chat-benchmarks.md).
+# Padding is masked, so a reply is the unpadded source's (exactly so in fp32: tests/chat).
+SOURCE_BUCKET = 16
+
+
+def _pad(encodings: list[dict], pad_id: int, multiple: int = 1, limit: int | None = None) -> dict:
+    """The encodings right-padded into one batch, ``multiple`` rounding its width up (never past
+    ``limit``, the model's positions, unless a source is that long already)."""
     width = max(e["input_ids"].shape[1] for e in encodings)
+    rounded = -(-width // multiple) * multiple
+    width = rounded if limit is None else max(width, min(rounded, limit))
     ids = torch.full((len(encodings), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(encodings), width), dtype=torch.long)
     for i, e in enumerate(encodings):
@@ -89,7 +100,9 @@ def _cuda_graph_thread_state() -> None:
     torch before 2.12 sets up CUDA-graph trees' per-thread state only in the thread that first
     imports the module, so in this worker thread compiled decoding failed with an AssertionError
     in ``cudagraph_trees.get_obj`` (seen with torch 2.11 on an H200). This repeats that set-up,
-    as newer torch does itself for every thread."""
+    as newer torch does itself for every thread. ``Batcher`` also calls it in the thread that
+    creates it, before starting its worker: a first import inside the worker left that thread
+    without the state (its compiled generate() then failed the same way; seen in the GPU tests)."""
     if not torch.cuda.is_available():
         return
     try:
@@ -127,6 +140,7 @@ class Batcher:
         self.cuda_graphs = graph_mode(os.environ.get("CHAT_CUDA_GRAPHS", "capture"))
         self._queue: queue.Queue[Request] = queue.Queue()
         self._held: list[Request] = []  # taken from the queue but not compatible with the last batch
+        _cuda_graph_thread_state()  # for this thread, before the worker imports the module
         threading.Thread(target=self._loop, daemon=True, name="chat-batcher").start()
 
     def submit(self, loaded, encoded: dict, kwargs: dict, streamer: BaseStreamer | None = None) -> Future:
@@ -171,11 +185,15 @@ class Batcher:
         try:
             if seed is not None:
                 torch.manual_seed(seed)
-            inputs = {
-                k: v.to(model.device) for k, v in _pad([r.encoded for r in batch], tokenizer.pad_token_id).items()
-            }
-            ids = inputs["input_ids"]
             capture = self.cuda_graphs == "capture" and model.device.type == "cuda"
+            padded = _pad(
+                [r.encoded for r in batch],
+                tokenizer.pad_token_id,
+                SOURCE_BUCKET if capture else 1,
+                getattr(model.config, "max_position_embeddings", None),
+            )
+            inputs = {k: v.to(model.device) for k, v in padded.items()}
+            ids = inputs["input_ids"]
             step_graphs = graphs.for_model(model).decoding(model, ids, kwargs) if capture else nullcontext({})
             with torch.inference_mode(), step_graphs as cache:
                 compiled = self.cuda_graphs == "compile"

@@ -16,7 +16,8 @@ milliseconds per shape) for every decoding strategy:
   into a static tensor, into the cross-attention cache; eagerly it was ~15 ms of a ~80 ms reply
   on an H200; recorded from a shape's second reply on) or every later step's;
 * one graph and cache per shape (hypotheses, source length, cache length, dtype, attention, and
-  where the weights live); the least recently used are dropped beyond ``capacity`` shapes or
+  where the weights live; ``chat.batching`` rounds source lengths up to multiples of 16, so the
+  shapes repeat); the least recently used are dropped beyond ``capacity`` shapes or
   ``budget_bytes`` of caches (8 concurrent beam-10 chats over 128 tokens hold ~1.2 GB in fp32).
 
 On a CPU the same static-cache path runs eagerly (that is what the tests check against plain
@@ -139,7 +140,7 @@ class StepGraphs:
     """CUDA graphs of one model's decoder step, one per shape; use ``decoding`` around generate().
     ``for_model`` keeps one per model without keeping the model alive."""
 
-    def __init__(self, capacity: int = 8, budget_bytes: int = 2 << 30):
+    def __init__(self, capacity: int = 32, budget_bytes: int = 2 << 30):
         self.capacity, self.budget_bytes = capacity, budget_bytes
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._lock = threading.Lock()  # one generate() at a time may own the caches and graphs

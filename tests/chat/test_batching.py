@@ -1,11 +1,19 @@
-"""chat.batching: a model that no request uses any more is not kept alive by the batcher."""
+"""chat.batching: a model that no request uses any more is not kept alive by the batcher; CUDA-graph
+decoding pads sources to length buckets without changing replies."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from chat import graphs
+from chat.batching import SOURCE_BUCKET, _pad
 from chat.engine import DEMO_DIR, ChatEngine, Conversation, GenerationSettings, load_checkpoint
+from chat.model import load_model
 
 
 def test_a_swapped_out_model_is_freed_without_waiting_for_another_reply(tiny_path):
@@ -17,3 +25,60 @@ def test_a_swapped_out_model_is_freed_without_waiting_for_another_reply(tiny_pat
     # The batcher's loop used to hold its last request (and so the demo model) until the next
     # reply on any model.
     assert old() is None
+
+
+def _encoded(n: int, token: int = 7) -> dict:
+    return {"input_ids": torch.full((1, n), token), "attention_mask": torch.ones(1, n, dtype=torch.long)}
+
+
+@pytest.mark.parametrize(
+    ("lengths", "width"), [([5], 16), ([16], 16), ([17, 3], 32), ([125], 128), ([128], 128), ([129], 129)]
+)
+def test_sources_are_padded_to_a_bucket_never_past_the_positions(lengths, width):
+    batch = _pad([_encoded(n) for n in lengths], pad_id=1, multiple=16, limit=128)
+    assert batch["input_ids"].shape == (len(lengths), width)
+    for row, n in enumerate(lengths):
+        assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (width - n)
+        assert batch["input_ids"][row].tolist() == [7] * n + [1] * (width - n)
+
+
+def test_unbucketed_padding_is_the_longest_source():
+    assert _pad([_encoded(5), _encoded(9)], pad_id=1)["input_ids"].shape == (2, 9)
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_a_source_padded_to_its_bucket_gets_the_unpadded_reply(tiny_path, beams):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model = load_model(tiny_path).eval()
+    kwargs = dict(num_beams=beams, max_new_tokens=12, min_new_tokens=4, no_repeat_ngram_size=3)
+    texts = ["chatbot: hi", "chatbot: your persona: i like jazz and long walks. </s>  <s> hello there, how are you?"]
+    for text in texts:
+        encoded = dict(tokenizer([text], return_tensors="pt"))
+        padded = _pad([encoded], tokenizer.pad_token_id, SOURCE_BUCKET, model.config.max_position_embeddings)
+        n = encoded["input_ids"].shape[1]
+        assert n % SOURCE_BUCKET and padded["input_ids"].shape[1] == -(-n // SOURCE_BUCKET) * SOURCE_BUCKET
+        with torch.no_grad():
+            assert torch.equal(model.generate(**padded, **kwargs), model.generate(**encoded, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_replies_of_one_bucket_share_graphs_and_match_plain_generate(tiny_path):
+    engine = ChatEngine(load_checkpoint(str(tiny_path), optimize="none"), "test")
+    model = engine.current.model
+    settings = GenerationSettings(max_new_tokens=12, min_new_tokens=12)
+    conv = Conversation("none", "", [])
+    messages = ["hi", "hi there", "hi there, my friend"]
+    lengths = [engine.build_input(Conversation("none", "", [m]))[0]["input_ids"].shape[1] for m in messages]
+    assert len(set(lengths)) == 3 and len({-(-n // SOURCE_BUCKET) for n in lengths}) == 1
+    expected = []
+    for message in messages:  # plain generate() on the unpadded source, as bench.chat's baseline
+        loaded, encoded, _, kwargs = engine._prepare(conv, message, settings)
+        with torch.inference_mode():
+            out = model.generate(**{k: v.to(model.device) for k, v in encoded.items()}, **kwargs)
+        expected.append(engine._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)))
+    for _ in range(2):
+        assert [engine.reply(conv, m, settings)[0] for m in messages] == expected
+    step_graphs = graphs.for_model(model)
+    assert {key[1] for key in step_graphs._entries if key[0] == 1} == {-(-lengths[0] // SOURCE_BUCKET) * SOURCE_BUCKET}
+    assert step_graphs.replays > 0
