@@ -161,6 +161,76 @@ def timed_beam(model, input_ids, reply_tokens: int) -> dict:
     return {"latency": time.perf_counter() - t0, "other": meter.stop(), "tokens": out[0, 1:].tolist()}
 
 
+def read_bandwidth_gbs(megabytes: int = 256, repeats: int = 10) -> float:
+    """Memory read bandwidth as this process sees it: GB/s of a sum over ``megabytes`` of floats
+    (larger than any cache), the best of ``repeats``. A decoder step that reads every weight once
+    cannot run faster than the weights' bytes over this."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def decoder_step_split(model, input_ids, steps: int = 24) -> dict:
+    """Where a greedy decoder step's time goes: the median wall ms of ``steps`` steps (the model's
+    forward with a growing cache, as generate() calls it), and for one more step under
+    torch.profiler the ms its linear layers' kernels took (``linear_ms``; quantized or not), the
+    other operators' (``other_ops_ms``), the rest of the wall being Python and module calls
+    (``outside_ops_ms``), and the bytes of weights a step reads."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    mask = torch.ones_like(input_ids)
+    with torch.inference_mode():
+        encoded = model.get_encoder()(input_ids=input_ids, attention_mask=mask)
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        token = torch.tensor([[model.config.decoder_start_token_id]])
+
+        def step():
+            out = model(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token, past_key_values=cache)
+            return out.logits[:, -1:].argmax(-1)
+
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            token = step()
+            walls.append(time.perf_counter() - t0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            step()
+            profiled_wall = time.perf_counter() - t0
+    ops = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    linear = sum(e.self_cpu_time_total for e in ops if "linear" in e.key or e.key in ("aten::addmm", "aten::mm"))
+    total = sum(e.self_cpu_time_total for e in ops)
+    decoder = model.get_decoder()
+    weights = sum(_stored_bytes(m) for m in [*decoder.layers, model.lm_head])
+    return {
+        "step_ms": sorted(walls)[len(walls) // 2] * 1e3,
+        "profiled_step_ms": profiled_wall * 1e3,
+        "linear_ms": linear / 1e3,
+        "other_ops_ms": (total - linear) / 1e3,
+        "outside_ops_ms": profiled_wall * 1e3 - total / 1e3,
+        "weight_mb_per_step": weights / 1e6,
+    }
+
+
+def _stored_bytes(module) -> int:
+    """Bytes of ``module``'s weights as stored (a dynamically quantized linear layer keeps its
+    int8 weight packed, outside ``parameters()``)."""
+    total = 0
+    for sub in module.modules():
+        packed = getattr(sub, "_packed_params", None)
+        if packed is not None and hasattr(sub, "weight") and callable(sub.weight):
+            total += sub.weight().numel()  # int8: one byte each (biases and scales are small)
+        else:
+            total += sum(p.numel() * p.element_size() for p in sub.parameters(recurse=False))
+    return total
+
+
 def teacher_forced_logits(model, input_ids, decoder_ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return model(

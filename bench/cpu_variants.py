@@ -48,8 +48,10 @@ from bench.cpu_probes import (
     FAITHFUL,
     GREEDY,
     build_prompts,
+    decoder_step_split,
     decoding,
     load,
+    read_bandwidth_gbs,
     rss_probe,
     run_probe,
     teacher_forced_logits,
@@ -189,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the agreement check on the bundled trained demo model (chat/demo_model)",
     )
     parser.add_argument("--busy", type=int, default=0, help="spin N busy processes while timing (simulated contention)")
+    parser.add_argument(
+        "--step_split",
+        action="store_true",
+        help="also split one greedy decoder step's time per mode (linear layers, other operators, Python) "
+        "and measure the memory read bandwidth",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--rss_probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -254,13 +262,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_demo_check and (DEMO_DIR / "config.json").is_file():
         demo = demo_check(modes, args.prompts, args.reply_tokens)
 
+    split = None
+    if args.step_split:
+        split = {"read_bandwidth_gbs": read_bandwidth_gbs()}
+        for mode in modes:
+            split[mode] = decoder_step_split(models[mode], prompts[0], args.reply_tokens)
+        print(f"step split: {json.dumps(split)}", flush=True)
+
     header["loadavg_end"] = os.getloadavg()[0]
     header["wall_s"] = time.perf_counter() - started
     print()
     print(render(header, results, demo))
     if args.out:
         # indent 1: the per-sample token lists make this file long
-        write_json(args.out, {"header": header, "results": results, "demo_check": demo, "samples": samples}, indent=1)
+        data = {"header": header, "results": results, "demo_check": demo, "step_split": split, "samples": samples}
+        write_json(args.out, data, indent=1)
     return 0
 
 

@@ -3,6 +3,7 @@ smallest study runs end to end on the bundled demo model."""
 
 import json
 
+import pytest
 import torch
 
 from bench import cpu_probes as probes
@@ -58,3 +59,21 @@ def test_smallest_study_runs_end_to_end(tmp_path, capsys):
     assert set(data["demo_check"]) == {"none", "int8"} and data["demo_check"]["none"]["beam_identical"] == 1.0
     assert data["header"]["command"].startswith("python -m bench.cpu_variants --model")
     assert "| int8@1 |" in capsys.readouterr().out
+
+
+def test_a_decoder_step_splits_into_linear_layers_other_operators_and_python():
+    weights = {}
+    for mode in ("none", "int8"):
+        model, tokenizer = probes.load(str(DEMO_DIR), mode)
+        split = probes.decoder_step_split(model, probes.build_prompts(tokenizer, 1, 32)[0], steps=3)
+        assert min(split["step_ms"], split["linear_ms"], split["other_ops_ms"], split["outside_ops_ms"]) > 0
+        assert split["linear_ms"] + split["other_ops_ms"] < split["profiled_step_ms"]
+        weights[mode] = split["weight_mb_per_step"]
+        if mode == "none":
+            count = sum(p.numel() for p in [*model.get_decoder().layers.parameters(), *model.lm_head.parameters()])
+            assert weights[mode] == pytest.approx(4 * count / 1e6)
+    assert weights["int8"] == pytest.approx(weights["none"] / 4, rel=0.05)  # int8 linear weights: a byte each
+
+
+def test_read_bandwidth_is_measured():
+    assert 0.1 < probes.read_bandwidth_gbs(megabytes=16, repeats=2) < 10_000
