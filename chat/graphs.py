@@ -74,6 +74,7 @@ class _Entry:
 
     cache: GraphCache
     inputs: dict = field(default_factory=dict)  # the steps' tensor inputs, at fixed addresses
+    encoder_hidden: torch.Tensor | None = None  # the first step's copy of the encoder's output
     first: _Recorded = field(default_factory=_Recorded)
     step: _Recorded = field(default_factory=_Recorded)
     bytes: int = 0  # what its caches hold (estimated from the shape)
@@ -115,11 +116,10 @@ class _Entry:
         if not first:
             return {**kw, **self.inputs}
         hidden = kw["encoder_outputs"][0]
-        if self.inputs.get("encoder_hidden") is None or self.inputs["encoder_hidden"].dtype != hidden.dtype:
-            self.inputs["encoder_hidden"] = torch.empty_like(hidden)
-        self.inputs["encoder_hidden"].copy_(hidden)
-        encoder = BaseModelOutput(last_hidden_state=self.inputs["encoder_hidden"])
-        return {**kw, **{k: v for k, v in self.inputs.items() if k != "encoder_hidden"}, "encoder_outputs": encoder}
+        if self.encoder_hidden is None or self.encoder_hidden.dtype != hidden.dtype:
+            self.encoder_hidden = torch.empty_like(hidden)
+        self.encoder_hidden.copy_(hidden)
+        return {**kw, **self.inputs, "encoder_outputs": BaseModelOutput(last_hidden_state=self.encoder_hidden)}
 
 
 def cache_length(kwargs: dict, model) -> int:

@@ -44,7 +44,7 @@ def test_static_cache_decoding_gives_the_sequences_of_plain_generate(tiny, strat
         assert torch.equal(_generate(model, batch, SETTINGS[strategy], graphs), expected)
         (entry,) = graphs._entries.values()
         # the first step runs from static copies of its inputs (what a GPU records) from the second call on
-        assert ("encoder_hidden" in entry.inputs) == (call == 1)
+        assert (entry.encoder_hidden is not None) == (call == 1)
 
 
 def test_forward_is_put_back_even_on_errors(tiny):
@@ -163,7 +163,7 @@ def test_first_decoder_step_reads_no_tensor_data_on_the_host(tiny, attention):
     try:
         with torch.no_grad():
             static = entry.step_kwargs(first, first=True)
-            assert static["encoder_outputs"][0] is entry.inputs["encoder_hidden"]
+            assert static["encoder_outputs"][0] is entry.encoder_hidden
             expected = model(**static).logits  # also allocates the cache's tensors
             entry.cache.reset()
             assert not entry.cache.cross_ready()
