@@ -129,7 +129,7 @@ def _sdpa(q, k, v, mask, is_causal: bool, backend):
 
 
 def _varlen(q, k, v, q_runs, k_runs, causal: bool):
-    rows, heads, q_len, dim = q.shape
+    heads, dim = q.shape[1], q.shape[3]
     cq, max_q = cumulative(q_runs, q.device)
     ck, max_k = cumulative(k_runs, q.device)
 
@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (what the tests run)")
     args = parser.parse_args(argv)
+    if args.batch < 1 or args.repeats < 1:
+        parser.error("--batch and --repeats must be at least 1")
     parts = set(args.parts.split(","))
     if parts - {"attention", "linear"}:
         parser.error(f"unknown parts: {', '.join(sorted(parts - {'attention', 'linear'}))}")

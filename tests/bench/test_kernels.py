@@ -53,7 +53,11 @@ def test_a_step_has_the_model_s_linear_layers():
     assert sum(shapes.values()) == 2 * 6 + 12 * 10
 
 
-@pytest.mark.parametrize("parts", ["nope", "attention,nope"])
-def test_unknown_parts_are_refused(tmp_path, parts):
+@pytest.mark.parametrize(
+    "args", [["--parts", "nope"], ["--parts", "attention,nope"], ["--batch", "0"], ["--repeats", "0"]]
+)
+def test_bad_arguments_are_refused_with_a_message(tmp_path, args, capsys):
     with pytest.raises(SystemExit):
-        main(["--smoke", "--parts", parts, "--out", str(tmp_path)])
+        main(["--smoke", *args, "--out", str(tmp_path)])
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "kernels.json").exists()
