@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
+from chat.layout import TRAINING_ARGS_FILE
+
 ADAPTER_CONFIG = CONFIG_NAME  # "adapter_config.json", peft's name
 ADAPTER_WEIGHTS = SAFETENSORS_WEIGHTS_NAME  # "adapter_model.safetensors", peft's name
 ADAPTER_KINDS = ("none", "lora")  # --adapter: none = full fine-tuning
@@ -63,3 +65,22 @@ def fingerprint(embedding: torch.Tensor) -> str:
 def model_fingerprint(model: torch.nn.Module) -> str:
     """``fingerprint`` of a loaded (unwrapped, un-partitioned) model's input embeddings."""
     return fingerprint(model.get_input_embeddings().weight)
+
+
+def base_of(path: str | Path) -> tuple[str, str | None]:
+    """The base model an adapter folder was trained on: (name, fingerprint or None).
+
+    The name is peft's ``base_model_name_or_path`` (a Hub id, a preset such as ``tiny``, or a
+    local folder); the fingerprint comes from ``training_args.json`` when the project trained it
+    (an adapter from elsewhere has none, and is matched by name only)."""
+    name = adapter_config(path).get("base_model_name_or_path")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{Path(path) / ADAPTER_CONFIG}: no base_model_name_or_path")
+    args_file = Path(path) / TRAINING_ARGS_FILE
+    found = None
+    if args_file.is_file():
+        try:
+            found = json.loads(args_file.read_text()).get(FINGERPRINT_KEY)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            found = None
+    return name, found if isinstance(found, str) else None

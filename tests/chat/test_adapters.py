@@ -5,7 +5,7 @@ import json
 import torch
 from peft import LoraConfig, get_peft_model
 
-from chat.adapters import LORA_TARGETS, adapter_config, fingerprint, is_adapter_dir, model_fingerprint
+from chat.adapters import LORA_TARGETS, adapter_config, base_of, fingerprint, is_adapter_dir, model_fingerprint
 from chat.model import load_model
 
 
@@ -47,3 +47,14 @@ def test_fingerprint_tells_bases_apart_and_ignores_the_serving_dtype(tiny_path):
     other[0, 0] += 1e-3
     assert fingerprint(other) != before  # one changed weight: another base
     assert model_fingerprint(model.to(torch.float64)) == before  # cast back to fp32 before hashing
+
+
+def test_base_of_reads_peft_config_and_the_recorded_fingerprint(tmp_path, tiny_path):
+    model = get_peft_model(load_model(str(tiny_path)), LoraConfig(r=4, target_modules=list(LORA_TARGETS)))
+    model.peft_config["default"].base_model_name_or_path = "tiny"
+    model.save_pretrained(tmp_path)
+    assert base_of(tmp_path) == ("tiny", None)  # an adapter from elsewhere: matched by name only
+    (tmp_path / "training_args.json").write_text(json.dumps({"base_fingerprint": "0123456789abcdef"}))
+    assert base_of(tmp_path) == ("tiny", "0123456789abcdef")
+    (tmp_path / "training_args.json").write_text("[]")  # not an object: no fingerprint, no crash
+    assert base_of(tmp_path) == ("tiny", None)
