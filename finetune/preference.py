@@ -94,3 +94,90 @@ def mismatched_order(rows: int) -> list[int]:
     """For KTO's KL estimate: row i's source is paired with row i+1's reply (a rotation, so no
     row keeps its own reply when there are two or more; none with one)."""
     return [(i + 1) % rows for i in range(rows)] if rows > 1 else []
+
+
+# --------------------------------------------------------------------------- batches and forwards
+
+# The reply columns of a tokenized preference row, per objective (finetune.preference_data.tokenize):
+# DPO rows have two replies; KTO rows one, plus the reply of another row for the KL estimate.
+REPLIES = {"dpo": ("chosen_labels", "rejected_labels"), "kto": ("labels", "kl_labels")}
+REFERENCE = {"dpo": ("ref_chosen", "ref_rejected"), "kto": ("ref_logps", "ref_kl")}
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+@dataclass
+class PreferenceCollator:
+    """Tokenized preference rows to one batch: the sources once (``input_ids``, ``attention_mask``)
+    and each reply column padded with ``IGNORE``; KTO's ``label`` and any precomputed reference
+    log-probabilities ride along as tensors."""
+
+    pad_token_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        ids = _pad([f["input_ids"] for f in features], self.pad_token_id)
+        batch = {"input_ids": ids, "attention_mask": (ids != self.pad_token_id).long()}
+        for column in ("chosen_labels", "rejected_labels", "labels", "kl_labels"):
+            if column in features[0]:
+                batch[column] = _pad([f[column] for f in features], IGNORE)
+        for column in ("label", "ref_chosen", "ref_rejected", "ref_logps", "ref_kl"):
+            if column in features[0]:
+                batch[column] = torch.tensor([f[column] for f in features])
+        return batch
+
+
+def reply_logps(model, batch: dict, objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities of both reply columns in ONE forward (the sources repeated: one
+    encoder-decoder call is what DeepSpeed's engine expects before its backward): chosen and
+    rejected for DPO; for KTO the reply and another row's reply (the KL pairing)."""
+    first, second = (batch[c] for c in REPLIES[objective])
+    width = max(first.shape[1], second.shape[1])
+    labels = torch.cat(
+        [
+            F.pad(first, (0, width - first.shape[1]), value=IGNORE),
+            F.pad(second, (0, width - second.shape[1]), value=IGNORE),
+        ]
+    )
+    inputs = {k: torch.cat([batch[k], batch[k]]) for k in ("input_ids", "attention_mask")}
+    logps = sequence_logps(model(**inputs, labels=labels).logits, labels)
+    return logps[: first.shape[0]], logps[first.shape[0] :]
+
+
+def preference_loss(model, batch: dict, objective: str, beta: float, sft_weight: float = 0.0) -> PreferenceLoss:
+    """The objective's loss on one batch whose reference log-probabilities were precomputed
+    (``reference_logps``), plus ``sft_weight`` times the mean token loss of the good replies (DPO's
+    chosen ones; KTO's desirable ones)."""
+    first, second = reply_logps(model, batch, objective)
+    ref_first, ref_second = (batch[c] for c in REFERENCE[objective])
+    if objective == "dpo":
+        out = dpo_loss(first, second, ref_first, ref_second, beta)
+        good = torch.ones_like(first, dtype=torch.bool)
+    else:  # KTO: `second` is every row's log-probability of another row's reply (none: a batch of one)
+        kl_rows = batch["kl_labels"][:, 0] != IGNORE
+        out = kto_loss(first, ref_first, batch["label"], kl_estimate(second[kl_rows], ref_second[kl_rows]), beta)
+        good = batch["label"].bool()
+    if sft_weight:
+        tokens = (batch[REPLIES[objective][0]] != IGNORE).sum(-1)
+        out.loss = out.loss - sft_weight * first[good].sum() / tokens[good].sum().clamp(min=1)
+    return out
+
+
+@torch.no_grad()
+def reference_logps(model, loader, objective: str, device) -> tuple[list[float], list[float]]:
+    """Both reply columns' log-probabilities under ``model`` as it is now, for every row of
+    ``loader`` in order (eval mode: no dropout). Run once on the model a run starts from, before
+    any step, they are the frozen reference, so the run needs no second copy of the model (with a
+    LoRA adapter that is also the base with the adapter's update as it started)."""
+    was_training = model.training
+    model.eval()
+    firsts, seconds = [], []
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        first, second = reply_logps(model, batch, objective)
+        firsts += first.float().cpu().tolist()
+        seconds += second.float().cpu().tolist()
+    model.train(was_training)
+    return firsts, seconds

@@ -136,4 +136,9 @@ def tokenize(rows: Dataset, tokenizer, cfg, objective: str) -> Dataset:
 
     keep = ["label"] if objective == "kto" else []
     drop = [c for c in rows.column_names if c not in keep]
-    return rows.map(encode, batched=True, remove_columns=drop, desc=f"tokenizing {objective} rows")
+    out = rows.map(encode, batched=True, remove_columns=drop, desc=f"tokenizing {objective} rows")
+    if objective == "kto":  # KTO's KL estimate: each source with the next row's reply (none for one row)
+        replies = out["labels"]
+        others = [replies[(i + 1) % len(replies)] for i in range(len(replies))] if len(replies) > 1 else [[-100]]
+        out = out.add_column("kl_labels", others)
+    return out

@@ -1,6 +1,7 @@
 """The preference losses (finetune/preference.py) against values computed by hand."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,3 +80,78 @@ def test_mismatched_order_never_pairs_a_row_with_its_own_reply():
     for rows in (2, 3, 8):
         order = mismatched_order(rows)
         assert sorted(order) == list(range(rows)) and all(i != j for i, j in enumerate(order))
+
+
+def _batches(objective, tiny_tokenizer, rows):
+    from datasets import Dataset
+    from torch.utils.data import DataLoader
+
+    from finetune.preference import PreferenceCollator
+    from finetune.preference_data import tokenize, validate
+
+    cfg = SimpleNamespace(source_prefix="chatbot: ", max_source_length=64, max_target_length=16)
+    data = tokenize(validate(Dataset.from_list(rows), "rows", objective), tiny_tokenizer, cfg, objective)
+    return data, lambda d: DataLoader(d, batch_size=4, collate_fn=PreferenceCollator(tiny_tokenizer.pad_token_id))
+
+
+PAIRS = [
+    {"texts": f"hello number {i}", "chosen": "i like dogs very much", "rejected": "no idea what you mean"}
+    for i in range(8)
+]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_preference_loss_starts_at_its_neutral_value_and_learns(objective, tiny_tokenizer):
+    from finetune.preference import preference_loss, reference_logps
+
+    torch.manual_seed(0)
+    model = load_model("chat/demo_model")
+    rows = PAIRS
+    if objective == "kto":  # the same signal as single rated replies
+        rows = [
+            {"texts": r["texts"], "response": r[k], "label": k == "chosen"}
+            for r in PAIRS
+            for k in ("chosen", "rejected")
+        ]
+    data, loader = _batches(objective, tiny_tokenizer, rows)
+    first, second = reference_logps(model, loader(data), objective, "cpu")
+    names = ("ref_chosen", "ref_rejected") if objective == "dpo" else ("ref_logps", "ref_kl")
+    data = data.add_column(names[0], first).add_column(names[1], second)
+    model.eval()  # no dropout: the policy equals the reference exactly at the start
+    batch = next(iter(loader(data)))
+    start = preference_loss(model, batch, objective, beta=0.1)
+    neutral = math.log(2) if objective == "dpo" else 0.5  # -log sigmoid(0); 1 - sigmoid(0 - 0)
+    assert start.loss.item() == pytest.approx(neutral, abs=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(6):
+        for batch in loader(data):
+            out = preference_loss(model, batch, objective, beta=0.1, sft_weight=0.1)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+    model.eval()
+    with torch.no_grad():
+        after = [preference_loss(model, b, objective, beta=0.1) for b in loader(data)]
+    assert sum(o.loss.item() for o in after) / len(after) < neutral - 0.01
+    assert torch.cat([o.correct for o in after]).mean().item() == 1.0  # every row now ranked right
+
+
+def test_the_sft_term_is_the_good_replies_token_loss(tiny_tokenizer):
+    from finetune.preference import preference_loss
+
+    model = load_model("chat/demo_model").eval()
+    rows = [
+        {"texts": "hi", "response": "hello there friend", "label": True},
+        {"texts": "yo", "response": "no", "label": False},
+    ]
+    data, loader = _batches("kto", tiny_tokenizer, rows)
+    data = data.add_column("ref_logps", [0.0, 0.0]).add_column("ref_kl", [0.0, 0.0])
+    batch = next(iter(loader(data)))
+    with torch.no_grad():
+        plain = preference_loss(model, batch, "kto", beta=0.1).loss
+        with_sft = preference_loss(model, batch, "kto", beta=0.1, sft_weight=2.0).loss
+        good = model(
+            input_ids=batch["input_ids"][:1], attention_mask=batch["attention_mask"][:1], labels=batch["labels"][:1]
+        )
+    assert (with_sft - plain).item() == pytest.approx(2.0 * good.loss.item(), rel=1e-5)  # the desirable row only

@@ -89,4 +89,9 @@ def test_tokenize_gives_each_reply_its_labels_and_fits_long_sources(tiny_tokeniz
         out["chosen_labels"][0] == tiny_tokenizer(text_target="yes, two dogs!", max_length=8, truncation=True).input_ids
     )
     kto = tokenize(validate(Dataset.from_list([RATED]), "rows", "kto"), tiny_tokenizer, cfg, "kto")
-    assert set(kto.column_names) == {"input_ids", "labels", "label"} and kto["label"] == [True]
+    assert set(kto.column_names) == {"input_ids", "labels", "label", "kl_labels"} and kto["label"] == [True]
+    assert kto["kl_labels"] == [[-100]]  # one row: no other row's reply to pair it with
+    two = tokenize(
+        validate(Dataset.from_list([RATED, {**RATED, "response": "bye"}]), "rows", "kto"), tiny_tokenizer, cfg, "kto"
+    )
+    assert two["kl_labels"] == [two["labels"][1], two["labels"][0]]
