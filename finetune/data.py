@@ -213,21 +213,27 @@ def mix(base: Dataset, feedback: Dataset, ratio: float, seed: int) -> Dataset:
     return mixed
 
 
+def fitted_sources(texts: list[str], tokenizer, prefix: str, max_source: int) -> list[str]:
+    """``prefix`` + each source, long ones fitted into ``max_source`` tokens by dropping their
+    oldest turns (never the context or the newest turn), as the chat does."""
+
+    def count(source: str) -> int:
+        return len(tokenizer(prefix + source).input_ids)
+
+    sources = [prefix + s for s in texts]
+    for i, ids in enumerate(tokenizer(sources).input_ids):
+        if len(ids) > max_source:
+            sources[i] = prefix + fit_source(*split_source(texts[i]), count, max_source)[0]
+    return sources
+
+
 def tokenize(raw: DatasetDict, tokenizer, cfg) -> DatasetDict:
     """Tokenize with ``datasets.map`` (batched, cached), fitting long sources by dropping old turns."""
     prefix, max_src = cfg.source_prefix, cfg.max_source_length
     padding = "max_length" if cfg.pad_to_max_length else False
 
-    def count(source: str) -> int:
-        return len(tokenizer(prefix + source).input_ids)
-
     def preprocess(batch, max_target):
-        sources = [prefix + s for s in batch["texts"]]
-        lengths = [len(ids) for ids in tokenizer(sources).input_ids]
-        for i, n in enumerate(lengths):
-            if n > max_src:  # drop the oldest turns, never the context or the newest turn
-                fitted, _ = fit_source(*split_source(batch["texts"][i]), count, max_src)
-                sources[i] = prefix + fitted
+        sources = fitted_sources(batch["texts"], tokenizer, prefix, max_src)
         model_inputs = tokenizer(sources, max_length=max_src, truncation=True, padding=padding)
         labels = tokenizer(text_target=batch["labels"], max_length=max_target, truncation=True, padding=padding)
         pad = tokenizer.pad_token_id

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from datasets import Dataset
 
-from chat.prompt import build_source, fit_source, split_source
-from finetune.data import DataError, _read_file
+from chat.prompt import build_source
+from finetune.data import DataError, _read_file, fitted_sources
 
 SHAPES = {"dpo": ("chosen", "rejected"), "kto": ("response", "label")}
 SOURCE_COLUMNS = (("texts",), ("kind", "context", "turns"))
@@ -112,17 +112,10 @@ def tokenize(rows: Dataset, tokenizer, cfg, objective: str) -> Dataset:
     """Token ids for each row: ``input_ids`` (prefix + source, oldest turns dropped to fit) and
     one label column per reply (``chosen_labels``/``rejected_labels`` or ``labels``), cut to
     ``max_target_length``; KTO rows keep their ``label``."""
-    prefix, max_src = cfg.source_prefix, cfg.max_source_length
-
-    def count(source: str) -> int:
-        return len(tokenizer(prefix + source).input_ids)
 
     def encode(batch):
-        sources = [prefix + s for s in batch["texts"]]
-        for i, ids in enumerate(tokenizer(sources).input_ids):
-            if len(ids) > max_src:
-                sources[i] = prefix + fit_source(*split_source(batch["texts"][i]), count, max_src)[0]
-        out = {"input_ids": tokenizer(sources, max_length=max_src, truncation=True).input_ids}
+        sources = fitted_sources(batch["texts"], tokenizer, cfg.source_prefix, cfg.max_source_length)
+        out = {"input_ids": tokenizer(sources, max_length=cfg.max_source_length, truncation=True).input_ids}
         replies = (
             (("chosen", "chosen_labels"), ("rejected", "rejected_labels"))
             if objective == "dpo"
