@@ -32,7 +32,7 @@ from pathlib import Path
 import gradio as gr
 
 from chat.layout import DEFAULT_MODEL, DEMO_DIR, ROOT
-from finetune.config import DEFAULT_DATASET
+from finetune.config import DEFAULT_DATASET, dataset_name_problem
 from finetune.feedback import FeedbackExport, FeedbackStore, feedback_path
 from finetune.jobs import paths
 from finetune.jobs.command import detect_gpus
@@ -274,6 +274,9 @@ def _data(values: Mapping, uploads: Uploads | None) -> tuple[dict, str | None]:
         dataset = (values["hub_dataset"] or "").strip()
         if not dataset:
             raise ValueError("type a Hub dataset id (e.g. smangrul/MuDoConv) or pick another data source")
+        problem = dataset_name_problem(dataset)  # e.g. 'json' would read the server's files
+        if problem:
+            raise ValueError(f"Hub dataset {problem}; to train on a file of yours, upload it (Uploaded file)")
         if dataset != "sample" and paths.local_path(dataset, "Hub dataset") is not None:
             raise ValueError(f"Hub dataset {dataset!r} is a local path; upload the file instead")
         return {"dataset_name": dataset}, None

@@ -149,8 +149,15 @@ def test_spec_from_form_maps_every_field(tab):
         ({"data_source": "ftp"}, "data source must be one of"),
         ({"data_source": "upload"}, "upload a training file first"),
         ({"data_source": "hub", "hub_dataset": " "}, "type a Hub dataset id"),
-        ({"data_source": "hub", "hub_dataset": "/etc/passwd"}, "outside the allowed folders"),
-        ({"data_source": "hub", "hub_dataset": "../../etc"}, "outside the allowed folders"),
+        ({"data_source": "hub", "hub_dataset": "/etc/passwd"}, "not 'sample' or a Hub dataset id.*upload it"),
+        ({"data_source": "hub", "hub_dataset": "../../etc"}, "not 'sample' or a Hub dataset id.*upload it"),
+        # datasets' loader names read the server's files (issue 28): the box says to upload instead
+        (
+            {"data_source": "hub", "hub_dataset": "json"},
+            "'json' is one of the datasets library's built-in loaders.*upload",
+        ),
+        ({"data_source": "hub", "hub_dataset": "text"}, "built-in loaders, which read local files.*upload it"),
+        ({"data_source": "hub", "hub_dataset": "hf://datasets/csv"}, "not 'sample' or a Hub dataset id.*upload it"),
         ({"model_name_or_path": "/etc"}, "outside the allowed folders"),
         ({"model_name_or_path": ""}, "model is required"),
         ({"model_name_or_path": DEFAULT_MODEL}, "needs a GPU .* only the `tiny` model"),
