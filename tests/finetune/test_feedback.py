@@ -294,6 +294,23 @@ for i in range(1000):
 """
 
 
+def test_escape_sequences_bidi_overrides_and_lone_surrogates_never_reach_a_stored_row(store, tmp_path):
+    """What a visitor types is stored as the model will read it (issue 28): no terminal colours (nor
+    their "[31m" remnants), no right-to-left override that shows a reviewer another text."""
+    dirty = "\x1b[31mred\x1b[0m \u202egnp.exe\u202c \ud800 \u2066x\u2069"
+    row_id = store.add(
+        **{**ROW, "context": "i am " + dirty, "turns": ["hi " + dirty], "response": "ok " + dirty, "original": dirty},
+        status="accepted",
+    )
+    store.vote(model_a="a " + dirty, model_b="b", winner="a", visitor="v", message=dirty)
+    row = store.get(row_id)
+    texts = [row.context, *row.turns, row.response, row.original]
+    assert texts == ["i am red gnp.exe x", "hi red gnp.exe x", "ok red gnp.exe x", "red gnp.exe x"]
+    exported = store.export(tmp_path / "out", holdout_every=0).train.read_text(encoding="utf-8")
+    assert not any(c in exported for c in "\x1b\u202e\u202c\u2066\u2069") and "[31m" not in exported
+    assert store.win_rates()[0]["model_a"] == "a red gnp.exe x"
+
+
 def test_a_full_disk_refuses_the_row_and_keeps_the_store_readable(store):
     before = [store.add(**{**ROW, "response": f"kept {i}"}) for i in range(3)]
     sizes = [p.stat().st_size for p in store.path.parent.glob("feedback.sqlite3*")]
