@@ -50,6 +50,7 @@ SLOW_MODULES = {
     "test_attacks.py",
     "test_cpu_variants.py",
     "test_upload_limits.py",
+    "test_text_hygiene.py",  # the app launched, every text endpoint attacked
 }
 SLOW_TESTS = {
     "test_python_app_py_without_the_hub_serves_the_demo_model_at_once",  # two app start-ups

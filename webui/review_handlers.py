@@ -103,7 +103,7 @@ def details(tab: TrainTab, token: str | None, profile, row_id, source_prefix: st
     ``source_prefix`` is the form's: the encoder text is exactly what a run with it reads."""
     with explained("show the row"):
         require(tab.auth, token, profile, "review feedback")
-        row = tab.feedback_store().get(int(row_id))
+        row = tab.feedback_store().get(_selected(row_id))
         text = encoder_text(row, source_prefix if source_prefix is not None else "chatbot: ")
         lines = [
             f"**Row {row.id}** · {RATING_ICONS.get(row.rating, row.rating)} · {row.status} · "
@@ -118,9 +118,13 @@ def details(tab: TrainTab, token: str | None, profile, row_id, source_prefix: st
 
 
 def _selected(row_id) -> int:
+    """The selected row's id; ValueError meant for the trainer without one (or with a forged one)."""
     if row_id in (None, ""):
         raise ValueError("select a row in the table first")
-    return int(row_id)
+    try:
+        return int(row_id)
+    except (TypeError, ValueError):
+        raise ValueError(f"{str(row_id)[:40]!r} is not a row of the table: select a row in the table") from None
 
 
 def set_status(tab: TrainTab, token: str | None, profile, row_id, status: str) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from webui import review_handlers as handlers
+from webui.feedback_handlers import event_fields
 from webui.train_handlers import TrainTab
 from webui.uploads import upload_folder
 
@@ -87,9 +88,9 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
         pending = train.feedback_store().counts()["pending"]
         return label, counts, rows, newest, gr.update(value=f"Accept all pending ({pending})")
 
-    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, evt: gr.SelectData):
-        row_id = (evt.row_value or [None])[0]
-        return handlers.details(train, token, profile, row_id, prefix)
+    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, event: gr.EventData):
+        row = event_fields(event).get("row_value")  # gr.EventData: see feedback_handlers.event_fields
+        return handlers.details(train, token, profile, row[0] if isinstance(row, list) and row else None, prefix)
 
     def mark(status):
         def handler(token: str | None, profile: gr.OAuthProfile | None, row_id):
