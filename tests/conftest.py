@@ -51,6 +51,7 @@ SLOW_MODULES = {
     "test_cpu_variants.py",
     "test_upload_limits.py",
     "test_text_hygiene.py",  # the app launched, every text endpoint attacked
+    "test_browser_export.py",  # the review panel's export in Chromium
 }
 SLOW_TESTS = {
     "test_python_app_py_without_the_hub_serves_the_demo_model_at_once",  # two app start-ups

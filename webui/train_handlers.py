@@ -232,14 +232,15 @@ def learning_rate_for(model: str | None) -> float:
     return app_config(model or "").learning_rate
 
 
-def export_feedback(tab: TrainTab) -> FeedbackExport:
+def export_feedback(tab: TrainTab, holdout_every: int = 10) -> FeedbackExport:
     """The accepted feedback rows exported under the data root, in a folder named after their
     content: exporting the same rows again (each Show command, each Start) reuses that folder, so
-    the exports grow only when a trainer accepts or edits rows. FeedbackError when none are accepted."""
+    the exports grow only when a trainer accepts or edits rows. FeedbackError when none are accepted.
+    ``holdout_every``: FeedbackStore.export's (0: every row in train.jsonl, none held out)."""
     exports = tab.feedback_store().path.parent / "exports"
     tmp = exports / f".tmp-{secrets.token_hex(4)}"
     try:
-        done = tab.feedback_store().export(tmp)
+        done = tab.feedback_store().export(tmp, holdout_every=holdout_every)
         digest = hashlib.sha256(done.train.read_bytes() + b"\0" + (done.heldout.read_bytes() if done.heldout else b""))
         final = exports / f"accepted-{digest.hexdigest()[:16]}"
         try:

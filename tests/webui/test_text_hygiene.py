@@ -6,19 +6,23 @@ send that a page never would.
   box, gradio's own ChatInterface steps). webui/request_text.py removes them at the door.
 - Terminal escape sequences and bidirectional overrides in a correction: stored and shown without.
 - Events without their event data: a message meant for the user, never Python's.
+- The login-only feedback export: never in a folder gradio serves to anyone who asks for its path.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
+from gradio_client.exceptions import AppError
 from served_app import App, Caller, raw_event
 
 from chat.prompt import CONTROL_RE
 from finetune.feedback import FeedbackStore
 from webui import auth, chat_handlers
 from webui.request_text import clean_body, without_lone_surrogates
+from webui.uploads import upload_folder
 
 PERSONA = chat_handlers.CHAT_E_PERSONA
 SETTINGS = ("fast", *chat_handlers.preset_values("fast")[:4], 24, 0)  # preset, beams, sample, temp, top-p, max, seed
@@ -125,3 +129,38 @@ def test_what_the_page_shows_of_a_stored_row_has_no_control_text(served):
     row = store(served).rows()[0]
     assert row.turns == ["tell me a secret now"]
     assert not any(CONTROL_RE.search(text) for text in (*row.turns, row.response, row.context))
+
+
+def test_the_export_reaches_the_logged_in_trainer_and_no_anonymous_request(served):
+    rows = store(served)
+    secret = "a correction only the trainer may read"
+    for i in range(3):
+        rows.add(kind="none", context="", turns=[f"hi {i}"], response=f"{secret} {i}", rating="like",
+                 visitor="v", status="accepted")  # fmt: skip
+    visitor, trainer = Caller(served.url), Caller(served.url)
+    with pytest.raises(AppError, match="log in first"):
+        visitor("review_export")
+    trainer("train_login", PASSWORD)
+    download, note = trainer("review_export")
+    assert f"{secret} 2" in download["text"] and len(download["text"].splitlines()) == 3
+    assert note.startswith("Exported 3 accepted rows") and download["name"] in note
+    # The rows' file on the server: under the data root, which gradio never serves.
+    (kept,) = (served.data / "feedback" / "exports").glob("accepted-*/train.jsonl")
+    assert kept.read_text() == download["text"]
+    files = served.url.rstrip("/") + "/gradio_api/file="
+    refused = httpx.get(files + str(kept.resolve()), timeout=10)
+    assert refused.status_code == 403 and secret not in refused.text
+    # ... and no copy of the rows in gradio's folders, whose files it serves to any request that
+    # names one (which is why an export written there was readable by anyone with its path).
+    served_dirs = [upload_folder(), Path(".gradio").resolve()]
+    leaked = [
+        p for d in served_dirs if d.is_dir() for p in d.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()
+    ]
+    assert leaked == []
+    control = upload_folder() / "control" / "probe.txt"  # the route serves that folder: the 403 is meaningful
+    control.parent.mkdir(parents=True, exist_ok=True)
+    control.write_text("served")
+    try:
+        assert httpx.get(files + str(control), timeout=10).text == "served"
+    finally:
+        control.unlink()
