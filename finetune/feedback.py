@@ -17,7 +17,8 @@ threads and processes. The bound checks and the insert run in one ``BEGIN IMMEDI
 
 Bounds (anonymous visitors may rate on a public Space): MAX_PENDING_PER_VISITOR pending rows per
 visitor (trainer rows, visitor ``trainer:<name>``, exempt), MAX_ROWS rows and MAX_BYTES of text in
-total, MAX_VOTES votes (MAX_VOTES_PER_VISITOR each); ``add``/``vote`` raise FeedbackError when one is hit.
+total, MAX_VOTES votes (per visitor: MAX_VOTES_PER_VISITOR, VOTES_PER_HOUR, VOTES_PER_PAIR_PER_DAY);
+``add``/``vote`` raise FeedbackError when one is hit, saying which.
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ MAX_PENDING_PER_VISITOR = 200  # one visitor cannot bury the review queue
 MAX_ROWS = 20_000  # far more than a trainer reviews; keeps review queries and exports instant
 MAX_BYTES = 64 * 2**20  # text of all rows and votes together: the store's share of the data root
 MAX_VOTES = 50_000  # votes are tiny, but anyone may cast them
-MAX_VOTES_PER_VISITOR = 1_000  # one visitor cannot decide a win rate alone
+MAX_VOTES_PER_VISITOR = 1_000  # in all
+# Votes over time, per visitor (votes, seconds): an honest vote takes a message, two replies and a
+# read, so a vote every two minutes for an hour, or 20 on one pair of models in a day, is far more
+# than one person's opinion needs; a visitor cannot vote a small leaderboard into another order.
+VOTES_PER_HOUR = (30, 3600)
+VOTES_PER_PAIR_PER_DAY = (20, 24 * 3600)
 MAX_TURNS = 16  # the newest turns kept: more never fit the encoder's 128 tokens anyway
 MAX_TURN_CHARS = 1_000  # per turn (its newest characters, as chat.prompt.fit_source would keep)
 MAX_RESPONSE_CHARS = 1_000  # response and original
@@ -347,9 +353,7 @@ class FeedbackStore:
         size = _size(model_a, model_b, winner, visitor, message)
         with self._write("the vote") as con:
             if not visitor.startswith(TRAINER_PREFIX):
-                (mine,) = con.execute("SELECT COUNT(*) FROM votes WHERE visitor = ?", (visitor,)).fetchone()
-                if mine >= MAX_VOTES_PER_VISITOR:
-                    raise FeedbackError(f"you have voted {mine} times (the limit is {MAX_VOTES_PER_VISITOR})")
+                _check_visitor_votes(con, visitor, model_a, model_b)
             votes, used = con.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM votes").fetchone()
             used += con.execute("SELECT COALESCE(SUM(size), 0) FROM feedback").fetchone()[0]
             if votes >= MAX_VOTES or used + size > MAX_BYTES:
@@ -376,6 +380,39 @@ class FeedbackStore:
     def visitor_key(self, client_address: str | None) -> str:
         """``visitor_key`` with this store's salt (beside its db)."""
         return visitor_key(client_address, self.path.parent / SALT_FILE)
+
+
+def _wait(seconds: float) -> str:
+    for unit, size in (("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{-(-seconds // size):.0f} {unit}"
+    return f"{max(1, -(-seconds // 1)):.0f} s"
+
+
+def _check_visitor_votes(con: sqlite3.Connection, visitor: str, model_a: str, model_b: str) -> None:
+    """FeedbackError saying why a visitor's vote is not counted, and when one will be: over
+    MAX_VOTES_PER_VISITOR, VOTES_PER_HOUR or VOTES_PER_PAIR_PER_DAY (the pair in either order)."""
+    (mine,) = con.execute("SELECT COUNT(*) FROM votes WHERE visitor = ?", (visitor,)).fetchone()
+    if mine >= MAX_VOTES_PER_VISITOR:
+        raise FeedbackError(
+            f"you have voted {mine} times (the limit is {MAX_VOTES_PER_VISITOR}); this vote was not counted"
+        )
+    now, pair = time.time(), "AND model_a = ? AND model_b = ?"
+    for (limit, window), where, args, what in (
+        (VOTES_PER_HOUR, "", (), "in the last hour"),
+        (VOTES_PER_PAIR_PER_DAY, pair, (model_a, model_b), "on these two models in the last day"),
+    ):
+        # the limit-th newest vote in the window: one more fits once it is out of the window
+        found = con.execute(
+            f"SELECT created FROM votes WHERE visitor = ? {where} AND created > ?"
+            " ORDER BY created DESC LIMIT 1 OFFSET ?",
+            (visitor, *args, now - window, limit - 1),
+        ).fetchone()
+        if found:
+            raise FeedbackError(
+                f"you have voted {limit} times {what}, the most one visitor may (so that no one visitor decides "
+                f"the win rates); this vote was not counted: try again in {_wait(found[0] + window - now)}"
+            )
 
 
 def _write_jsonl(path: Path, rows: list[FeedbackRow]) -> Path:

@@ -362,6 +362,53 @@ def test_votes_and_win_rates_count_both_orders_of_a_pair(store, monkeypatch):
         store.vote(model_a="x", model_b="y", winner="a", visitor="trainer:ann")
 
 
+def _age_votes(store, seconds: float) -> None:
+    """Every vote so far cast ``seconds`` earlier (what waiting does, without the wait)."""
+    import sqlite3
+
+    con = sqlite3.connect(store.path)
+    with con:
+        con.execute("UPDATE votes SET created = created - ?", (seconds,))
+    con.close()
+
+
+def test_a_visitor_votes_at_an_honest_pace_but_cannot_flood_a_pair_or_the_hour(store):
+    """Issue 28: 1,000 votes per address in one go decided a small leaderboard. Votes are also
+    bounded per hour and per pair of models per day; the refusal says which and when to come back."""
+    limit, _ = feedback.VOTES_PER_HOUR
+    per_pair, _ = feedback.VOTES_PER_PAIR_PER_DAY
+    # an honest visitor: a few votes on each of two pairs, an hour apart, all counted
+    for _hour in range(3):
+        for i in range(4):
+            store.vote(model_a="new", model_b="old", winner="ab"[i % 2], visitor="honest")
+            store.vote(model_a="x", model_b="new", winner="tie", visitor="honest")
+        _age_votes(store, 3601)
+    assert sum(r["total"] for r in store.win_rates()) == 24
+    # a flood on one pair: 20 a day counted (either order of the pair), then refused with the reason
+    for i in range(per_pair):
+        store.vote(model_a="new", model_b="old", winner="b", visitor="flood", message=f"m{i}")
+        if i % 10 == 9:
+            _age_votes(store, 3601)  # (under the hourly bound: this is the pair's)
+    with pytest.raises(
+        FeedbackError, match=r"voted 20 times on these two models in the last day.*not counted.*in \d+ h"
+    ):
+        store.vote(model_a="old", model_b="new", winner="a", visitor="flood")
+    store.vote(model_a="new", model_b="x", winner="a", visitor="flood")  # another pair still counts
+    store.vote(model_a="new", model_b="old", winner="a", visitor="honest")  # and another visitor
+    _age_votes(store, 24 * 3600)
+    store.vote(model_a="new", model_b="old", winner="b", visitor="flood")  # a day later: counted again
+    # a flood over many pairs: 30 an hour, then refused until the oldest of them is an hour old
+    pairs = [(f"m{i}", f"n{i}") for i in range(limit)]
+    for a, b in pairs:
+        store.vote(model_a=a, model_b=b, winner="a", visitor="spread")
+    with pytest.raises(FeedbackError, match=r"voted 30 times in the last hour.*try again in (59|60) min"):
+        store.vote(model_a="p", model_b="q", winner="a", visitor="spread")
+    _age_votes(store, 3601)
+    store.vote(model_a="p", model_b="q", winner="a", visitor="spread")
+    for _ in range(per_pair + 1):  # trainers are not bounded
+        store.vote(model_a="new", model_b="old", winner="a", visitor="trainer:ann")
+
+
 def test_visitor_key_is_a_salted_hash_with_a_private_salt(store, tmp_path, monkeypatch):
     key = store.visitor_key("203.0.113.7")
     salt = store.path.parent / feedback.SALT_FILE
