@@ -39,7 +39,7 @@ LOG_TAIL_LINES = 40
 
 # Error kinds whose message the CLI writes for the user (finetune.cli.KNOWN_ERRORS); any other
 # kind ("internal": a bug, its message "ExcType: text") is said to be one.
-USER_ERRORS = ("DataError", "ModelLoadError", "TrainingError", "HubError", "FileNotFoundError")
+USER_ERRORS = ("DataError", "ModelLoadError", "TrainingError", "HubError", "WriteError", "FileNotFoundError")
 
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torch elastic's tag on each line of a rank
 _ERROR_LINE = re.compile(r"^\d\d:\d\d:\d\d ERROR [\w.]+: (.+)$")  # finetune.cli.main's log format
