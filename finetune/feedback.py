@@ -24,7 +24,6 @@ total, MAX_VOTES votes (per visitor: MAX_VOTES_PER_VISITOR, VOTES_PER_HOUR, VOTE
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import hmac
 import json
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from chat.prompt import KINDS, build_source, format_context, neutralize
 from finetune.jobs.paths import data_root
+from finetune.writes import diagnose, write_error
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +113,26 @@ def feedback_path(root: str | Path | None = None) -> Path:
     return Path(root if root is not None else data_root()) / "feedback" / "feedback.sqlite3"
 
 
-def _disk_full(err: BaseException) -> bool:
-    if isinstance(err, sqlite3.Error):  # SQLITE_FULL, or SQLITE_IOERR: a write refused (EFBIG is an IOERR)
+_WRITE_CODES = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")
+
+
+def _write_failure(err: BaseException, where: Path) -> str | None:
+    """Why a write into the folder ``where`` failed, naming the file (from ``where``'s parent on:
+    visitors read it, not the server's folders) and the cause (``finetune.writes``); None when
+    ``err`` is no failed write. SQLite's errors carry no errno ("database or disk is full" also for
+    a file-size limit), so the cause is found afterwards."""
+    if isinstance(err, sqlite3.Error):
         code = getattr(err, "sqlite_errorcode", 0) & 0xFF
-        return code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR) or "disk is full" in str(err)
-    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        if code not in {getattr(sqlite3, name, -1) for name in _WRITE_CODES} and "readonly" not in str(err):
+            return None
+        failure = diagnose(where, str(err))
+    else:
+        failure = write_error(err, where)
+        if failure is None:
+            return None
+    file = Path(failure.file)
+    shown = file.relative_to(where.parent) if file.is_relative_to(where.parent) else file.name
+    return f"cannot write {shown}: {failure.cause}"
 
 
 def _text(value, field: str, limit: int, *, required: bool = True, keep_end: bool = False) -> str:
@@ -168,8 +183,9 @@ class FeedbackStore:
                 for statement in filter(str.strip, _SCHEMA.split(";")):
                     con.execute(statement)
         except (OSError, sqlite3.Error) as err:
-            if _disk_full(err):
-                raise FeedbackError("the disk is full: the feedback store cannot be created") from err
+            failure = _write_failure(err, self.path.parent)
+            if failure:
+                raise FeedbackError(f"{failure}: the feedback store cannot be created") from err
             raise
 
     # ------------------------------------------------------------------ connections
@@ -196,13 +212,13 @@ class FeedbackStore:
                         con.execute("ROLLBACK")
                     raise
         except (OSError, sqlite3.Error) as err:
-            if _disk_full(err):
-                log.error("feedback store %s: write failed: %s", self.path, err)
-                full = "the disk is full" if "full" in str(err) else f"the disk is full or failing ({err})"
-                raise FeedbackError(f"{full}; {what} was not saved") from err
             if "locked" in str(err):  # another writer held the lock for the whole timeout
                 raise FeedbackError(f"the feedback store is busy; {what} was not saved, try again") from err
-            raise
+            failure = _write_failure(err, self.path.parent)
+            if failure is None:
+                raise
+            log.error("feedback store %s: write failed: %s (%s)", self.path, failure, err)
+            raise FeedbackError(f"{failure}; {what} was not saved") from err
 
     # ------------------------------------------------------------------ feedback rows
     def add(self, *, kind, context, turns, response, original="", rating, model="", visitor, status="pending") -> int:
@@ -331,9 +347,10 @@ class FeedbackStore:
             if not heldout:  # a folder exported into before must not keep an older held-out file
                 (out / "heldout.jsonl").unlink(missing_ok=True)
         except OSError as err:
-            if _disk_full(err):
-                raise FeedbackError(f"the disk is full ({err}); the export was not written") from err
-            raise
+            failure = _write_failure(err, out)
+            if failure is None:
+                raise
+            raise FeedbackError(f"{failure}; the export was not written") from err
         log.info("exported %d feedback rows (+%d held out) to %s", len(train), len(heldout), out)
         return FeedbackExport(train_path, heldout_path, len(train), len(heldout))
 

@@ -40,6 +40,7 @@ from finetune.jobs.manager import RunBusyError, RunManager
 from finetune.jobs.spec import JobSpec, app_config, make_config
 from finetune.jobs.uploads import ensure_room, validate_upload
 from finetune.memory import gpu as gpu_info
+from finetune.writes import WriteError, writing
 from webui import train_preflight
 from webui.auth import AuthConfig, AuthError, require, who
 
@@ -154,7 +155,7 @@ def explained(action: str):
         yield
     except gr.Error:
         raise
-    except (AuthError, RunBusyError, ValueError) as err:  # ValueError includes DataError
+    except (AuthError, RunBusyError, ValueError, WriteError) as err:  # ValueError includes DataError
         raise gr.Error(str(err), title=f"Cannot {action}", print_exception=False) from None
     except Exception as err:  # noqa: BLE001 - e.g. HubError: the app keeps serving, the user gets the reason
         log.warning("%s failed: %s", action, err)
@@ -412,9 +413,14 @@ def _copy_upload(tab: TrainTab, token, profile, which: str, file, source_prefix:
         checked = validate_upload(incoming, source_prefix or "", name=name)
         ensure_room(incoming.stat().st_size, tab.data_root)  # ValueError when the data root is full
         folder = tab.data_root / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        folder.mkdir(parents=True, exist_ok=False)
         copy = folder / f"{which}{suffix}"
-        shutil.copyfile(incoming, copy)
+        try:
+            with writing(copy):  # a failed copy names the file and the cause, and leaves nothing behind
+                folder.mkdir(parents=True, exist_ok=False)
+                shutil.copyfile(incoming, copy)
+        except WriteError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         log.info("upload %s (%s): %d rows -> %s", which, name, checked["rows"], copy)
         return str(copy), name, preview_markdown(name, checked["rows"], checked["preview"])
 

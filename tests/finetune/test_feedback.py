@@ -10,6 +10,7 @@ import sys
 import threading
 
 import pytest
+from write_faults import read_only
 
 from chat.layout import ROOT
 from chat.prompt import build_source
@@ -311,7 +312,7 @@ def test_escape_sequences_bidi_overrides_and_lone_surrogates_never_reach_a_store
     assert store.win_rates()[0]["model_a"] == "a red gnp.exe x"
 
 
-def test_a_full_disk_refuses_the_row_and_keeps_the_store_readable(store):
+def test_a_file_size_limit_refuses_the_row_names_the_file_and_keeps_the_store_readable(store):
     before = [store.add(**{**ROW, "response": f"kept {i}"}) for i in range(3)]
     sizes = [p.stat().st_size for p in store.path.parent.glob("feedback.sqlite3*")]
     limit = max(sizes) + 200_000  # room for a few ~17 KB rows, then every file is "full"
@@ -326,7 +327,10 @@ def test_a_full_disk_refuses_the_row_and_keeps_the_store_readable(store):
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "disk is full" in result["error"] and "was not saved" in result["error"]
+    # the file and the cause (SQLite itself said "database or disk is full", for a file-size limit)
+    assert result["error"].startswith("cannot write fb/feedback.sqlite3")  # the database or its -wal file
+    assert "File too large (EFBIG): this process may write files of at most" in result["error"]
+    assert result["error"].endswith("(its RLIMIT_FSIZE, ulimit -f); the row was not saved")
     assert 1 <= result["saved"] < 1000
     reopened = FeedbackStore(store.path)
     assert [reopened.get(i).response for i in before] == ["kept 0", "kept 1", "kept 2"]
@@ -337,6 +341,20 @@ def test_a_full_disk_refuses_the_row_and_keeps_the_store_readable(store):
     assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     con.close()
     reopened.add(**ROW)  # and it takes rows again once there is room
+
+
+def test_a_read_only_store_or_export_folder_names_the_folder_and_the_cause(store, tmp_path):
+    row = store.add(**{**ROW, "rating": "like"}, status="accepted")
+    with read_only(store.path.parent) as name:
+        # named from the store's folder on (visitors read it, not the server's folders)
+        with pytest.raises(FeedbackError, match=rf"^cannot write fb: .*\({name}\); the row was not saved"):
+            store.add(**ROW)
+        with pytest.raises(FeedbackError, match=rf"\({name}\); the review was not saved"):
+            store.set_status([row], "rejected")
+    assert store.get(row).status == "accepted"
+    with read_only(tmp_path / "exports") as name:
+        with pytest.raises(FeedbackError, match=rf"^cannot write out: .*\({name}\); the export was not written"):
+            store.export(tmp_path / "exports" / "out")
 
 
 def test_votes_and_win_rates_count_both_orders_of_a_pair(store, monkeypatch):

@@ -7,17 +7,14 @@ tests/finetune/test_feedback.py and tests/webui/test_train_handlers.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import resource
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from test_train import FAST, errors, events
+from write_faults import file_size_limit, read_only
 
 from chat.layout import ROOT
 from finetune import writes
@@ -28,11 +25,6 @@ MIB = 2**20
 
 def run(out: Path, *args: str, fsize: int | None = None) -> subprocess.CompletedProcess:
     """``python -m finetune`` on one process (no launcher), with a file-size limit of ``fsize`` bytes."""
-
-    def limit():
-        if fsize is not None:  # (Python ignores SIGXFSZ: a write past the limit fails with EFBIG)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-
     return subprocess.run(
         [sys.executable, "-m", "finetune", *FAST, "--n_train", "32", "--output_dir", str(out), *args],
         cwd=ROOT,
@@ -40,7 +32,7 @@ def run(out: Path, *args: str, fsize: int | None = None) -> subprocess.Completed
         text=True,
         timeout=600,
         check=False,
-        preexec_fn=limit,
+        preexec_fn=file_size_limit(fsize) if fsize is not None else None,
     )
 
 
@@ -49,31 +41,6 @@ def page_error(out: Path) -> str:
     if not (out / "run.json").exists():
         (out / "run.json").write_text(json.dumps({"argv": [], "spec": {}}))
     return status_of(out).error or ""
-
-
-@contextlib.contextmanager
-def read_only(folder: Path):
-    """``folder`` made read-only for real: a read-only bind mount (root, whom permissions do not
-    stop), else no write permission. Yields the errno name a write there meets."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        folder.chmod(0o555)
-        try:
-            yield "EACCES"
-        finally:
-            folder.chmod(0o755)
-        return
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    for args in (["--bind", str(folder), str(folder)], ["-o", "remount,bind,ro", str(folder)]):
-        done = subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            subprocess.run(["umount", "-l", str(folder)], check=False, capture_output=True)
-            pytest.skip(f"cannot make a read-only bind mount here: {done.stderr.strip()}")
-    try:
-        yield "EROFS"
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_a_file_size_limit_during_a_checkpoint_names_the_file_and_the_limit(tiny_path, tmp_path):

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 from gradio.data_classes import FileData
 from hostile_files import parquet_bomb
+from write_faults import read_only
 
 from chat.engine import DEFAULT_MODEL, DEMO_DIR
 from finetune import checkpoint as ckpt
@@ -350,6 +351,22 @@ def test_an_upload_is_refused_when_the_data_root_is_full(tab, monkeypatch):
         os.utime(path, (time.time() - 7200, time.time() - 7200))
     uploads, *_ = train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
     assert not earlier.exists() and Path(uploads.train).read_bytes() == upload.read_bytes()
+
+
+def test_an_upload_copied_into_a_read_only_data_root_names_the_folder_and_the_cause(tab):
+    """Issue 28: a failed write names the file and the cause, and leaves nothing half-copied."""
+    upload = write_rows(tab.incoming / "data.jsonl", 12)
+    with read_only(tab.data_root) as name:
+        message = refusal(tab, logged_in(tab), str(upload), "")
+    assert re.fullmatch(rf"cannot write {re.escape(str(tab.data_root))}/\S+: .*\({name}\)", message), message
+    assert list(tab.data_root.iterdir()) == []
+
+
+def test_a_run_in_a_read_only_runs_folder_names_it_and_the_cause(tab):
+    with read_only(tab.manager.root) as name:
+        with pytest.raises(gr.Error, match=rf"cannot write {re.escape(str(tab.manager.root))}/\S+: .*\({name}\)"):
+            train_handlers.start_run(tab, logged_in(tab), None, None, form(tab))
+    assert tab.manager.runs() == []
 
 
 def put(folder: Path, name: str, size: int, age_s: float) -> Path:
