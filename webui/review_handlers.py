@@ -177,7 +177,7 @@ def export_file(tab: TrainTab, token: str | None, profile) -> tuple[dict, str]:
         exported = export_feedback(tab, holdout_every=0)
         name = f"feedback-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
         log.info("feedback export of %d rows for %s (%s)", exported.rows, user, exported.train)
-        rows = f"{exported.rows} accepted row{'s' if exported.rows != 1 else ''}"
+        rows, them = (f"{exported.rows} accepted rows", "them") if exported.rows != 1 else ("1 accepted row", "it")
         return {"name": name, "text": exported.train.read_text(encoding="utf-8")}, (
-            f"Exported {rows}: your browser saves them as **{name}**."
+            f"Exported {rows}: your browser saves {them} as **{name}**."
         )
