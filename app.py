@@ -17,11 +17,13 @@ import time
 import warnings
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from chat.engine import ChatEngine
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
 from webui import auth, chat_handlers, chat_tab, compare_tab, review_handlers, train_handlers, train_tab, train_view
 from webui import uploads as web_uploads
+from webui.request_text import DropLoneSurrogates
 
 log = logging.getLogger("app")
 
@@ -35,6 +37,14 @@ CONCURRENCY = 8
 # show_error: a request that gradio itself rejects (e.g. too few inputs) says why, not {"error": null};
 # the app's own handlers turn every failure into a message meant for the user (gr.Error).
 LAUNCH_OPTIONS = {"max_file_size": MAX_UPLOAD_BYTES, "state_session_capacity": 1000, "show_error": True}
+
+
+def launch_options() -> dict:
+    """LAUNCH_OPTIONS and the app's request middleware (webui/request_text.py: no lone surrogate in
+    a request reaches gradio), as a new dict for each launch: gradio writes into its app_kwargs."""
+    return {**LAUNCH_OPTIONS, "app_kwargs": {"middleware": [Middleware(DropLoneSurrogates)]}}
+
+
 PRIVATE = {"api_visibility": "private"}
 
 INTRO = """# Chat-E
@@ -155,4 +165,4 @@ if __name__ == "__main__":
     log.info("%s (model ready in %.1f s)", engine.status, time.perf_counter() - started)
     demo = build_demo(engine)
     web_uploads.start_cleaner()  # gradio's upload folder and the app's copies, every 10 s
-    demo.launch(**LAUNCH_OPTIONS)  # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself
+    demo.launch(**launch_options())  # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself

@@ -72,9 +72,17 @@ EMOTIONS = (
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>", "<mask>")
 # Anything shaped like a special token, with stray spaces or case changes, e.g. "< /S >".
 _SPECIAL_RE = re.compile(r"<\s*/?\s*(?:s|pad|unk|mask)\s*>", re.IGNORECASE)
-# Characters never meaningful in a chat or a dialogue row: control characters (C0 but tab and
-# newline, DEL, C1) and lone surrogates (not text at all: the tokenizer cannot encode them).
-CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+# What is never meaningful in a chat or a dialogue row, and is removed from every piece of user text
+# that is stored or shown (``neutralize``; ``chat.engine.clean_text``): terminal escape sequences as
+# a whole (colours, cursor moves, titles: dropping only their ESC kept "[31m" in stored rows), control
+# characters (C0 but tab and newline, DEL, C1), the bidirectional embeddings, overrides and isolates
+# (U+202A-U+202E, U+2066-U+2069: they make a reviewer read text in another order than the model
+# does), and lone surrogates (not text at all: neither the tokenizer nor JSON can encode them).
+CONTROL_RE = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: ESC [, parameters, one final byte (e.g. ESC [ 3 1 m: red)
+    r"|\x1b\][^\x07\x1b]{0,512}(?:\x07|\x1b\\)"  # OSC: ESC ] ... up to its terminator (BEL or ESC \\)
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 _SPACES_RE = re.compile(r"\s+")
 
 
@@ -82,7 +90,8 @@ def neutralize(text: str, extra_special: Sequence[str] = ()) -> str:
     """Clean one piece of user text so it cannot add structure to a source.
 
     Removes special-token strings (repeatedly, so "<<s>s>" cannot reassemble into "<s>"),
-    control characters, and collapses whitespace (newlines in a persona become spaces).
+    what CONTROL_RE matches (escape sequences, control characters, bidirectional overrides, lone
+    surrogates), and collapses whitespace (newlines in a persona become spaces).
     """
     if not isinstance(text, str):
         raise ValueError(f"expected a string, got {type(text).__name__}")

@@ -11,13 +11,13 @@ Layout of an output directory::
 A checkpoint's manifest.json (written last, right before the rename) lists every file's size and
 sha256. A resume checks the checkpoint against it before loading anything: ``latest`` skips a
 corrupt checkpoint for the next newest intact one (a ``checkpoint_skipped`` event says what was
-wrong), while a checkpoint named by path must be intact. A full disk during a save is a
-TrainingError that says so, recorded by the rank it happened on (see ``saving``).
+wrong), while a checkpoint named by path must be intact. A failed save (a full disk, a file-size
+limit, a quota, a read-only folder) is a TrainingError naming the file and the cause
+(``finetune.writes``), recorded by the rank it happened on (see ``saving``).
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -31,6 +31,8 @@ import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from finetune.writes import free_space, human_bytes, is_disk_full, write_error, writing
 
 # The standard logger: resume checks run before the accelerator (and accelerate's logger) exists.
 log = logging.getLogger(__name__)
@@ -172,54 +174,15 @@ def write_manifest(folder: Path) -> None:
     (folder / MANIFEST_FILE).write_text(json.dumps({"version": 1, "files": entries}, indent=1))
 
 
-# --------------------------------------------------------------------------- a full disk
-
-# How a full disk shows: OSError ENOSPC/EDQUOT from Python, safetensors' Rust error text, or
-# torch.save's C++ stream errors, which carry no errno (so they also need the disk to be full).
-DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull", "os error 28")
-STREAM_ERRORS = ("iostream error", "unexpected pos", "PytorchStreamWriter failed")
-LOW_SPACE = 64 * 2**20  # less free than this after a C++ write error: the disk is full
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def free_space(path: Path) -> tuple[int, str]:
-    """(bytes free, mount point) of the filesystem ``path`` is on (or would be on)."""
-    path = Path(os.path.abspath(path))
-    while not path.exists():
-        path = path.parent
-    free = shutil.disk_usage(path).free
-    while not os.path.ismount(path):
-        path = path.parent
-    return free, str(path)
-
-
-def is_disk_full(err: BaseException, where: Path) -> bool:
-    """Is ``err`` (or an exception it came from) a full disk, for a save into ``where``?"""
-    seen = []
-    while err is not None and err not in seen:  # the C++ error is often the context of another
-        seen.append(err)
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(err)
-        if any(t in text for t in DISK_FULL_TEXT):
-            return True
-        if any(t in text for t in STREAM_ERRORS) and free_space(where)[0] < LOW_SPACE:
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+# --------------------------------------------------------------------------- a failed save
 
 
 @contextmanager
 def saving(target: Path, output_dir: str | Path, *, tmp: Path | None = None, step: int | None = None):
     """Around a save, on every rank: a full disk becomes TrainingError "disk full while saving
-    <target>: <free> free on <mount>", and the half-written ``tmp`` folder is removed.
+    <target>: <free> free on <mount>", any other failed write "saving <target> failed: cannot write
+    <file>: <cause>" (``finetune.writes``: a file-size limit, a quota, a read-only folder...), and
+    the half-written ``tmp`` folder is removed.
 
     The rank the disk filled up on writes the error event itself, before it removes ``tmp``: a
     save can fail on one rank only, and then the other ranks fail too, in DeepSpeed's barrier
@@ -235,6 +198,8 @@ def saving(target: Path, output_dir: str | Path, *, tmp: Path | None = None, ste
             failure = TrainingError(
                 f"disk full while saving {target}: {human_bytes(free)} free on {mount}", file=str(target), step=step
             )
+        elif (written := write_error(err, tmp or target)) is not None:  # a file-size limit, a quota, no permission...
+            failure = TrainingError(f"saving {target} failed: {written}", file=str(target), step=step)
         recorded = record_save_failure(output_dir, target, failure, tmp)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -244,7 +209,7 @@ def saving(target: Path, output_dir: str | Path, *, tmp: Path | None = None, ste
                 f"saving {target} failed on another process ({reason})", file=str(target), step=step
             )
         if failure is None:
-            raise  # not a full disk: cli.main() reports it as any other failure
+            raise  # no failed write: cli.main() reports it as any other failure
         failure.recorded = recorded
         raise failure from err
 
@@ -454,8 +419,10 @@ class MetricsWriter:
         self.enabled = enabled
 
     def write(self, event: str, **fields) -> None:
+        """Append one event; a failed write is a WriteError naming metrics.jsonl and the cause."""
         if not self.enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+        with writing(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")

@@ -22,10 +22,11 @@ from finetune.data import DataError
 from finetune.hub import HubError
 from finetune.parts import OutputDirInUse, TrainingError, is_rank0, watch_launcher
 from finetune.train import train
+from finetune.writes import WriteError
 
 # Failures the recipe expects and explains. An `error` event's kind is one of these names, or
 # "internal" for anything else (a bug, or a failure nobody explained yet: see the traceback).
-KNOWN_ERRORS = (DataError, ModelLoadError, TrainingError, HubError, FileNotFoundError)
+KNOWN_ERRORS = (DataError, ModelLoadError, TrainingError, HubError, WriteError, FileNotFoundError)
 
 
 def error_event(err: Exception, cfg: TrainConfig) -> dict:

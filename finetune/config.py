@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import pkgutil
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from chat.layout import DEFAULT_MODEL
+from chat.layout import DEFAULT_MODEL, is_hub_id
 from chat.model import ATTENTION
 
 DEFAULT_DATASET = "smangrul/MuDoConv"
@@ -26,6 +28,37 @@ EVAL_ATTENTION = ("eager", "grouped", "sdpa")  # evaluation decoding; see TrainC
 
 def _doc(text: str, **kw):
     return field(metadata={"help": text}, **kw)
+
+
+@functools.cache
+def builder_names() -> frozenset[str]:
+    """The names ``datasets.load_dataset`` takes for one of its built-in loaders (json, csv, text,
+    parquet, imagefolder, ...), lower-cased: every module of ``datasets.packaged_modules``. Such a
+    name reads data files from the working directory, not a Hub dataset."""
+    from datasets import packaged_modules  # lazy: importing datasets takes a second
+
+    names = {module.name for module in pkgutil.iter_modules(packaged_modules.__path__)}
+    names |= set(getattr(packaged_modules, "_PACKAGED_DATASETS_MODULES", {}))  # what load_dataset checks
+    return frozenset(name.lower() for name in names)
+
+
+def dataset_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a dataset name, or None: 'sample' or a Hub dataset id only.
+
+    ``datasets.load_dataset(name)`` also takes a built-in loader's name (then it reads files of the
+    working directory: ``json`` found source files and the sample) and a local folder (read instead
+    of the Hub dataset of the same name); local data goes through ``train_file``, whose files are
+    checked. Not a Hub id: paths (absolute, ``..``, ``~``), ``hf://`` URLs, bucket paths."""
+    if name == "sample":
+        return None
+    if not is_hub_id(name):
+        return f"{name!r} is not 'sample' or a Hub dataset id ('user/name')"
+    if "/" not in name and name.lower() in builder_names():  # (all of them are bare names)
+        return f"{name!r} is one of the datasets library's built-in loaders, which read local files, not a Hub dataset"
+    if Path(name).exists():
+        what = "folder" if Path(name).is_dir() else "file"
+        return f"{name!r} is a local {what}, which datasets would read instead of the Hub"
+    return None
 
 
 @dataclass
@@ -139,6 +172,9 @@ class TrainConfig:
             raise ValueError("give --dataset_name or --train_file")
         if (self.train_file is None) != (self.validation_file is None):
             raise ValueError("--train_file and --validation_file go together")
+        problem = dataset_name_problem(self.dataset_name) if self.train_file is None else None
+        if problem:
+            raise ValueError(f"--dataset_name {problem}: give local data as --train_file/--validation_file")
         if not 0 < self.feedback_ratio <= 1:  # (also refuses NaN)
             raise ValueError(f"--feedback_ratio must be > 0 and <= 1, got {self.feedback_ratio}")
         if self.feedback_validation_file is not None and self.feedback_file is None:

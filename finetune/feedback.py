@@ -17,13 +17,13 @@ threads and processes. The bound checks and the insert run in one ``BEGIN IMMEDI
 
 Bounds (anonymous visitors may rate on a public Space): MAX_PENDING_PER_VISITOR pending rows per
 visitor (trainer rows, visitor ``trainer:<name>``, exempt), MAX_ROWS rows and MAX_BYTES of text in
-total, MAX_VOTES votes (MAX_VOTES_PER_VISITOR each); ``add``/``vote`` raise FeedbackError when one is hit.
+total, MAX_VOTES votes (per visitor: MAX_VOTES_PER_VISITOR, VOTES_PER_HOUR, VOTES_PER_PAIR_PER_DAY);
+``add``/``vote`` raise FeedbackError when one is hit, saying which.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import hmac
 import json
@@ -38,6 +38,7 @@ from pathlib import Path
 
 from chat.prompt import KINDS, build_source, format_context, neutralize
 from finetune.jobs.paths import data_root
+from finetune.writes import diagnose, write_error
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,12 @@ MAX_PENDING_PER_VISITOR = 200  # one visitor cannot bury the review queue
 MAX_ROWS = 20_000  # far more than a trainer reviews; keeps review queries and exports instant
 MAX_BYTES = 64 * 2**20  # text of all rows and votes together: the store's share of the data root
 MAX_VOTES = 50_000  # votes are tiny, but anyone may cast them
-MAX_VOTES_PER_VISITOR = 1_000  # one visitor cannot decide a win rate alone
+MAX_VOTES_PER_VISITOR = 1_000  # in all
+# Votes over time, per visitor (votes, seconds): an honest vote takes a message, two replies and a
+# read, so a vote every two minutes for an hour, or 20 on one pair of models in a day, is far more
+# than one person's opinion needs; a visitor cannot vote a small leaderboard into another order.
+VOTES_PER_HOUR = (30, 3600)
+VOTES_PER_PAIR_PER_DAY = (20, 24 * 3600)
 MAX_TURNS = 16  # the newest turns kept: more never fit the encoder's 128 tokens anyway
 MAX_TURN_CHARS = 1_000  # per turn (its newest characters, as chat.prompt.fit_source would keep)
 MAX_RESPONSE_CHARS = 1_000  # response and original
@@ -107,11 +113,26 @@ def feedback_path(root: str | Path | None = None) -> Path:
     return Path(root if root is not None else data_root()) / "feedback" / "feedback.sqlite3"
 
 
-def _disk_full(err: BaseException) -> bool:
-    if isinstance(err, sqlite3.Error):  # SQLITE_FULL, or SQLITE_IOERR: a write refused (EFBIG is an IOERR)
+_WRITE_CODES = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")
+
+
+def _write_failure(err: BaseException, where: Path) -> str | None:
+    """Why a write into the folder ``where`` failed, naming the file (from ``where``'s parent on:
+    visitors read it, not the server's folders) and the cause (``finetune.writes``); None when
+    ``err`` is no failed write. SQLite's errors carry no errno ("database or disk is full" also for
+    a file-size limit), so the cause is found afterwards."""
+    if isinstance(err, sqlite3.Error):
         code = getattr(err, "sqlite_errorcode", 0) & 0xFF
-        return code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR) or "disk is full" in str(err)
-    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        if code not in {getattr(sqlite3, name, -1) for name in _WRITE_CODES} and "readonly" not in str(err):
+            return None
+        failure = diagnose(where, str(err))
+    else:
+        failure = write_error(err, where)
+        if failure is None:
+            return None
+    file = Path(failure.file)
+    shown = file.relative_to(where.parent) if file.is_relative_to(where.parent) else file.name
+    return f"cannot write {shown}: {failure.cause}"
 
 
 def _text(value, field: str, limit: int, *, required: bool = True, keep_end: bool = False) -> str:
@@ -162,8 +183,9 @@ class FeedbackStore:
                 for statement in filter(str.strip, _SCHEMA.split(";")):
                     con.execute(statement)
         except (OSError, sqlite3.Error) as err:
-            if _disk_full(err):
-                raise FeedbackError("the disk is full: the feedback store cannot be created") from err
+            failure = _write_failure(err, self.path.parent)
+            if failure:
+                raise FeedbackError(f"{failure}: the feedback store cannot be created") from err
             raise
 
     # ------------------------------------------------------------------ connections
@@ -190,13 +212,13 @@ class FeedbackStore:
                         con.execute("ROLLBACK")
                     raise
         except (OSError, sqlite3.Error) as err:
-            if _disk_full(err):
-                log.error("feedback store %s: write failed: %s", self.path, err)
-                full = "the disk is full" if "full" in str(err) else f"the disk is full or failing ({err})"
-                raise FeedbackError(f"{full}; {what} was not saved") from err
             if "locked" in str(err):  # another writer held the lock for the whole timeout
                 raise FeedbackError(f"the feedback store is busy; {what} was not saved, try again") from err
-            raise
+            failure = _write_failure(err, self.path.parent)
+            if failure is None:
+                raise
+            log.error("feedback store %s: write failed: %s (%s)", self.path, failure, err)
+            raise FeedbackError(f"{failure}; {what} was not saved") from err
 
     # ------------------------------------------------------------------ feedback rows
     def add(self, *, kind, context, turns, response, original="", rating, model="", visitor, status="pending") -> int:
@@ -325,9 +347,10 @@ class FeedbackStore:
             if not heldout:  # a folder exported into before must not keep an older held-out file
                 (out / "heldout.jsonl").unlink(missing_ok=True)
         except OSError as err:
-            if _disk_full(err):
-                raise FeedbackError(f"the disk is full ({err}); the export was not written") from err
-            raise
+            failure = _write_failure(err, out)
+            if failure is None:
+                raise
+            raise FeedbackError(f"{failure}; the export was not written") from err
         log.info("exported %d feedback rows (+%d held out) to %s", len(train), len(heldout), out)
         return FeedbackExport(train_path, heldout_path, len(train), len(heldout))
 
@@ -347,9 +370,7 @@ class FeedbackStore:
         size = _size(model_a, model_b, winner, visitor, message)
         with self._write("the vote") as con:
             if not visitor.startswith(TRAINER_PREFIX):
-                (mine,) = con.execute("SELECT COUNT(*) FROM votes WHERE visitor = ?", (visitor,)).fetchone()
-                if mine >= MAX_VOTES_PER_VISITOR:
-                    raise FeedbackError(f"you have voted {mine} times (the limit is {MAX_VOTES_PER_VISITOR})")
+                _check_visitor_votes(con, visitor, model_a, model_b)
             votes, used = con.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM votes").fetchone()
             used += con.execute("SELECT COALESCE(SUM(size), 0) FROM feedback").fetchone()[0]
             if votes >= MAX_VOTES or used + size > MAX_BYTES:
@@ -376,6 +397,39 @@ class FeedbackStore:
     def visitor_key(self, client_address: str | None) -> str:
         """``visitor_key`` with this store's salt (beside its db)."""
         return visitor_key(client_address, self.path.parent / SALT_FILE)
+
+
+def _wait(seconds: float) -> str:
+    for unit, size in (("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{-(-seconds // size):.0f} {unit}"
+    return f"{max(1, -(-seconds // 1)):.0f} s"
+
+
+def _check_visitor_votes(con: sqlite3.Connection, visitor: str, model_a: str, model_b: str) -> None:
+    """FeedbackError saying why a visitor's vote is not counted, and when one will be: over
+    MAX_VOTES_PER_VISITOR, VOTES_PER_HOUR or VOTES_PER_PAIR_PER_DAY (the pair in either order)."""
+    (mine,) = con.execute("SELECT COUNT(*) FROM votes WHERE visitor = ?", (visitor,)).fetchone()
+    if mine >= MAX_VOTES_PER_VISITOR:
+        raise FeedbackError(
+            f"you have voted {mine} times (the limit is {MAX_VOTES_PER_VISITOR}); this vote was not counted"
+        )
+    now, pair = time.time(), "AND model_a = ? AND model_b = ?"
+    for (limit, window), where, args, what in (
+        (VOTES_PER_HOUR, "", (), "in the last hour"),
+        (VOTES_PER_PAIR_PER_DAY, pair, (model_a, model_b), "on these two models in the last day"),
+    ):
+        # the limit-th newest vote in the window: one more fits once it is out of the window
+        found = con.execute(
+            f"SELECT created FROM votes WHERE visitor = ? {where} AND created > ?"
+            " ORDER BY created DESC LIMIT 1 OFFSET ?",
+            (visitor, *args, now - window, limit - 1),
+        ).fetchone()
+        if found:
+            raise FeedbackError(
+                f"you have voted {limit} times {what}, the most one visitor may (so that no one visitor decides "
+                f"the win rates); this vote was not counted: try again in {_wait(found[0] + window - now)}"
+            )
 
 
 def _write_jsonl(path: Path, rows: list[FeedbackRow]) -> Path:

@@ -63,6 +63,7 @@ from finetune.parts import (
     save_final,
     start_profiler,
 )
+from finetune.writes import replace_text
 
 log = get_logger(__name__)
 
@@ -476,7 +477,7 @@ def finish(run: Run) -> dict:
     }
     final = save_final(acc, run.model, run.tokenizer, cfg, summary) if cfg.save_model else None
     if run.main:
-        (Path(cfg.output_dir) / RESULTS_FILE).write_text(json.dumps(summary, indent=2))
+        replace_text(Path(cfg.output_dir) / RESULTS_FILE, json.dumps(summary, indent=2))  # WriteError if it fails
         run.metrics.write(
             "done", step=run.completed, final=str(final) if final else None, eval_bleu=summary["eval_bleu"]
         )

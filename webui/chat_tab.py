@@ -318,17 +318,18 @@ def _feedback_events(
     history (chatbot_state, what the next message is sent with) and an edit updates it too. Queued
     (not queue=False): gr.Warning reaches the page only from a queued event."""
 
+    # gr.EventData, not gr.LikeData / gr.EditData: see feedback_handlers.event_fields.
     def on_like(
-        token: str | None, history, saved, data: gr.LikeData, request: gr.Request, profile: gr.OAuthProfile | None
+        token: str | None, history, saved, event: gr.EventData, request: gr.Request, profile: gr.OAuthProfile | None
     ):
-        who = feedback_handlers.rater(train.auth, token, profile, request)
-        return feedback_handlers.like(who, history, saved, data.index, data.liked, train.feedback_store())
+        who, data = feedback_handlers.rater(train.auth, token, profile, request), feedback_handlers.event_fields(event)
+        return feedback_handlers.like(who, history, saved, data.get("index"), data.get("liked"), train.feedback_store())
 
     def on_edit(
-        token: str | None, history, saved, data: gr.EditData, request: gr.Request, profile: gr.OAuthProfile | None
+        token: str | None, history, saved, event: gr.EventData, request: gr.Request, profile: gr.OAuthProfile | None
     ):
-        who = feedback_handlers.rater(train.auth, token, profile, request)
-        return feedback_handlers.edit(who, history, saved, data.index, data.value, train.feedback_store())
+        who, data = feedback_handlers.rater(train.auth, token, profile, request), feedback_handlers.event_fields(event)
+        return feedback_handlers.edit(who, history, saved, data.get("index"), data.get("value"), train.feedback_store())
 
     options = {"concurrency_id": "feedback", "show_progress": "hidden", **PRIVATE}
     chat.chatbot.like(

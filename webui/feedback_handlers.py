@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from chat.engine import MAX_MESSAGE_CHARS, ChatEngine, InputError
+from chat.prompt import neutralize
 from finetune.feedback import MAX_RESPONSE_CHARS, TRAINER_PREFIX, FeedbackError, FeedbackStore
 from webui import auth, chat_handlers
 
@@ -42,6 +43,17 @@ class Rater:
     def visitor(self, store: FeedbackStore) -> str:
         # Never the address itself: the store keeps a salted hash of it.
         return f"{TRAINER_PREFIX}{self.trainer}" if self.trainer else store.visitor_key(self.client)
+
+
+def event_fields(event) -> dict:
+    """The data a browser event carries (``gr.EventData``), or {} without any.
+
+    Handlers take ``gr.EventData`` rather than ``gr.LikeData`` / ``gr.EditData`` / ``gr.SelectData``:
+    those read their fields while gradio builds them, before the handler runs, so a request without
+    event data (or without one field, e.g. an edit's ``previous_value``) showed the page Python's
+    "'NoneType' object is not subscriptable". A missing field is then the handler's to explain."""
+    data = getattr(event, "_data", None)
+    return data if isinstance(data, dict) else {}
 
 
 def rater(config: auth.AuthConfig, token: str | None, profile, request) -> Rater:
@@ -218,7 +230,9 @@ def edit(rater: Rater, history, replies: dict | None, index, value, store: Feedb
     text waits in the message box (Enter sends it again). ``history`` is the chat's server-side
     state (the chatbot shows the edit already)."""
     history = list(history or [])
-    text = chat_handlers._text(value).strip() if not isinstance(value, str) else value.strip()
+    # What is shown back is what is stored and what the model reads: escape sequences, control
+    # characters and bidirectional overrides removed (chat.prompt.neutralize), whitespace collapsed.
+    text = neutralize(value if isinstance(value, str) else chat_handlers._text(value))
     index = _index(index)
     valid = isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(history)
     message = history[index] if valid else None

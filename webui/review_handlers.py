@@ -3,17 +3,15 @@
 The Chat tab stores every like, dislike and correction as a pending row of
 ``finetune.feedback.FeedbackStore``; here a trainer reads them (with the exact encoder text each
 becomes), accepts, rejects or edits them, and downloads the accepted ones as ``.jsonl`` in the
-structured format ``--train_file`` reads. Everything but the counts needs the login
-(``webui.auth.require``): rows hold what visitors typed, so an anonymous page sees how many rows
-wait, never the rows. A refusal or a bad row is a ``gr.Error`` with the reason.
+structured format ``--train_file`` reads (never through gradio's file routes: see ``export_file``).
+Everything but the counts needs the login (``webui.auth.require``): rows hold what visitors typed,
+so an anonymous page sees how many rows wait, never the rows. A refusal or a bad row is a ``gr.Error`` with the reason.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import time
-from pathlib import Path
 
 import gradio as gr
 import pandas as pd
@@ -21,7 +19,7 @@ import pandas as pd
 from finetune.feedback import MAX_LIST, STATUSES, FeedbackRow, encoder_text
 from webui.auth import require, who
 from webui.chat_handlers import model_label
-from webui.train_handlers import TrainTab, explained
+from webui.train_handlers import TrainTab, explained, export_feedback
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +101,7 @@ def details(tab: TrainTab, token: str | None, profile, row_id, source_prefix: st
     ``source_prefix`` is the form's: the encoder text is exactly what a run with it reads."""
     with explained("show the row"):
         require(tab.auth, token, profile, "review feedback")
-        row = tab.feedback_store().get(int(row_id))
+        row = tab.feedback_store().get(_selected(row_id))
         text = encoder_text(row, source_prefix if source_prefix is not None else "chatbot: ")
         lines = [
             f"**Row {row.id}** · {RATING_ICONS.get(row.rating, row.rating)} · {row.status} · "
@@ -118,9 +116,13 @@ def details(tab: TrainTab, token: str | None, profile, row_id, source_prefix: st
 
 
 def _selected(row_id) -> int:
+    """The selected row's id; ValueError meant for the trainer without one (or with a forged one)."""
     if row_id in (None, ""):
         raise ValueError("select a row in the table first")
-    return int(row_id)
+    try:
+        return int(row_id)
+    except (TypeError, ValueError):
+        raise ValueError(f"{str(row_id)[:40]!r} is not a row of the table: select a row in the table") from None
 
 
 def set_status(tab: TrainTab, token: str | None, profile, row_id, status: str) -> str:
@@ -164,14 +166,18 @@ def accept_all(tab: TrainTab, token: str | None, profile, up_to) -> str:
         return f"{done} pending row{'s' if done != 1 else ''} accepted."
 
 
-def export_file(tab: TrainTab, token: str | None, profile, folder: Path) -> str:
-    """The accepted good replies as one ``.jsonl`` (no held-out part) in ``folder`` (gradio's upload
-    folder in the app: gradio serves files from there, and the app's cleaner bounds it)."""
+def export_file(tab: TrainTab, token: str | None, profile) -> tuple[dict, str]:
+    """The accepted good replies as one ``.jsonl`` (no held-out part) for the trainer's browser to
+    save: ({"name", "text"}, the note). The file is written under the data root
+    (``train_handlers.export_feedback``), which gradio does not serve; its rows reach the page only
+    in the answer to this logged-in event. (A file in gradio's upload or cache folder, where a
+    ``gr.File`` output goes, is served to anyone who requests its path.)"""
     with explained("export the feedback"):
         user = require(tab.auth, token, profile, "export feedback")
-        out = Path(folder) / f"feedback-export-{secrets.token_hex(4)}"
-        exported = tab.feedback_store().export(out, holdout_every=0)
-        final = exported.train.with_name(f"feedback-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-        exported.train.replace(final)
-        log.info("feedback export of %d rows for %s", exported.rows, user)
-        return str(final)
+        exported = export_feedback(tab, holdout_every=0)
+        name = f"feedback-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        log.info("feedback export of %d rows for %s (%s)", exported.rows, user, exported.train)
+        rows, them = (f"{exported.rows} accepted rows", "them") if exported.rows != 1 else ("1 accepted row", "it")
+        return {"name": name, "text": exported.train.read_text(encoding="utf-8")}, (
+            f"Exported {rows}: your browser saves {them} as **{name}**."
+        )

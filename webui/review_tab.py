@@ -12,10 +12,22 @@ from dataclasses import dataclass
 import gradio as gr
 
 from webui import review_handlers as handlers
+from webui.feedback_handlers import event_fields
 from webui.train_handlers import TrainTab
-from webui.uploads import upload_folder
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: every handler checks the login
+
+# The export's rows arrive in the answer to the logged-in export event; the page saves them as a file.
+SAVE_JS = """(data) => {
+  if (!data || typeof data.text !== "string") return;
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(new Blob([data.text], {type: "application/x-ndjson"}));
+  link.download = data.name || "feedback.jsonl";
+  document.body.appendChild(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(link.href), 60000);
+}"""
 
 HELP = """Every 👍, 👎 and ✏️ correction in the chat waits here as a **pending** row. Select a row to see exactly what
 the model reads, fix the response if needed, then **Accept** it (only accepted likes and corrections are trained on:
@@ -38,7 +50,7 @@ class ReviewParts:
     save: gr.Button
     accept_all: gr.Button
     export: gr.Button
-    download: gr.File
+    download: gr.JSON  # the export the browser saves (never a file gradio would serve to anyone)
     note: gr.Markdown
 
 
@@ -70,7 +82,7 @@ def build(train: TrainTab) -> ReviewParts:
         with gr.Row(elem_classes="train-buttons"):
             accept_all = gr.Button("Accept all pending", elem_id="review-accept-all")
             export = gr.Button("Export accepted (.jsonl)", elem_id="review-export")
-        download = gr.File(label="Export", visible=False, interactive=False, elem_id="review-download")
+        download = gr.JSON(None, visible=False, elem_id="review-download")  # {"name", "text"}: SAVE_JS saves it
         note = gr.Markdown(elem_id="review-note")
     return ReviewParts(
         panel, counts, status, refresh, table, selected, newest, detail, response, accept, reject, save, accept_all,
@@ -87,9 +99,9 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
         pending = train.feedback_store().counts()["pending"]
         return label, counts, rows, newest, gr.update(value=f"Accept all pending ({pending})")
 
-    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, evt: gr.SelectData):
-        row_id = (evt.row_value or [None])[0]
-        return handlers.details(train, token, profile, row_id, prefix)
+    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, event: gr.EventData):
+        row = event_fields(event).get("row_value")  # gr.EventData: see feedback_handlers.event_fields
+        return handlers.details(train, token, profile, row[0] if isinstance(row, list) and row else None, prefix)
 
     def mark(status):
         def handler(token: str | None, profile: gr.OAuthProfile | None, row_id):
@@ -104,7 +116,7 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
         return handlers.accept_all(train, token, profile, up_to)
 
     def export(token: str | None, profile: gr.OAuthProfile | None):
-        return gr.update(value=handlers.export_file(train, token, profile, upload_folder()), visible=True)
+        return handlers.export_file(train, token, profile)
 
     view = [parts.panel, parts.counts, parts.table, parts.newest, parts.accept_all]
     quick = {"queue": False, "show_progress": "hidden", **PRIVATE}
@@ -124,4 +136,6 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
     ]
     for event in events:
         event.success(redraw, [session, parts.status], view, **quick)
-    parts.export.click(export, session, parts.download, api_name="review_export", **one)
+    parts.export.click(export, session, [parts.download, parts.note], api_name="review_export", **one).success(
+        None, parts.download, None, js=SAVE_JS, **PRIVATE
+    )

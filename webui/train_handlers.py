@@ -32,7 +32,7 @@ from pathlib import Path
 import gradio as gr
 
 from chat.layout import DEFAULT_MODEL, DEMO_DIR, ROOT
-from finetune.config import DEFAULT_DATASET
+from finetune.config import DEFAULT_DATASET, dataset_name_problem
 from finetune.feedback import FeedbackExport, FeedbackStore, feedback_path
 from finetune.jobs import paths
 from finetune.jobs.command import detect_gpus
@@ -40,6 +40,7 @@ from finetune.jobs.manager import RunBusyError, RunManager
 from finetune.jobs.spec import JobSpec, app_config, make_config
 from finetune.jobs.uploads import ensure_room, validate_upload
 from finetune.memory import gpu as gpu_info
+from finetune.writes import WriteError, writing
 from webui import train_preflight
 from webui.auth import AuthConfig, AuthError, require, who
 
@@ -154,7 +155,7 @@ def explained(action: str):
         yield
     except gr.Error:
         raise
-    except (AuthError, RunBusyError, ValueError) as err:  # ValueError includes DataError
+    except (AuthError, RunBusyError, ValueError, WriteError) as err:  # ValueError includes DataError
         raise gr.Error(str(err), title=f"Cannot {action}", print_exception=False) from None
     except Exception as err:  # noqa: BLE001 - e.g. HubError: the app keeps serving, the user gets the reason
         log.warning("%s failed: %s", action, err)
@@ -232,14 +233,15 @@ def learning_rate_for(model: str | None) -> float:
     return app_config(model or "").learning_rate
 
 
-def export_feedback(tab: TrainTab) -> FeedbackExport:
+def export_feedback(tab: TrainTab, holdout_every: int = 10) -> FeedbackExport:
     """The accepted feedback rows exported under the data root, in a folder named after their
     content: exporting the same rows again (each Show command, each Start) reuses that folder, so
-    the exports grow only when a trainer accepts or edits rows. FeedbackError when none are accepted."""
+    the exports grow only when a trainer accepts or edits rows. FeedbackError when none are accepted.
+    ``holdout_every``: FeedbackStore.export's (0: every row in train.jsonl, none held out)."""
     exports = tab.feedback_store().path.parent / "exports"
     tmp = exports / f".tmp-{secrets.token_hex(4)}"
     try:
-        done = tab.feedback_store().export(tmp)
+        done = tab.feedback_store().export(tmp, holdout_every=holdout_every)
         digest = hashlib.sha256(done.train.read_bytes() + b"\0" + (done.heldout.read_bytes() if done.heldout else b""))
         final = exports / f"accepted-{digest.hexdigest()[:16]}"
         try:
@@ -274,6 +276,9 @@ def _data(values: Mapping, uploads: Uploads | None) -> tuple[dict, str | None]:
         dataset = (values["hub_dataset"] or "").strip()
         if not dataset:
             raise ValueError("type a Hub dataset id (e.g. smangrul/MuDoConv) or pick another data source")
+        problem = dataset_name_problem(dataset)  # e.g. 'json' would read the server's files
+        if problem:
+            raise ValueError(f"Hub dataset {problem}; to train on a file of yours, upload it (Uploaded file)")
         if dataset != "sample" and paths.local_path(dataset, "Hub dataset") is not None:
             raise ValueError(f"Hub dataset {dataset!r} is a local path; upload the file instead")
         return {"dataset_name": dataset}, None
@@ -408,9 +413,14 @@ def _copy_upload(tab: TrainTab, token, profile, which: str, file, source_prefix:
         checked = validate_upload(incoming, source_prefix or "", name=name)
         ensure_room(incoming.stat().st_size, tab.data_root)  # ValueError when the data root is full
         folder = tab.data_root / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        folder.mkdir(parents=True, exist_ok=False)
         copy = folder / f"{which}{suffix}"
-        shutil.copyfile(incoming, copy)
+        try:
+            with writing(copy):  # a failed copy names the file and the cause, and leaves nothing behind
+                folder.mkdir(parents=True, exist_ok=False)
+                shutil.copyfile(incoming, copy)
+        except WriteError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         log.info("upload %s (%s): %d rows -> %s", which, name, checked["rows"], copy)
         return str(copy), name, preview_markdown(name, checked["rows"], checked["preview"])
 

@@ -26,6 +26,7 @@ from finetune.jobs.paths import LOG_FILE, RUN_FILE, RUN_ID_RE, read_info, split_
 from finetune.jobs.spec import JobSpec
 from finetune.jobs.status import RunStatus, current_status, read_events, status_of
 from finetune.jobs.uploads import write_split
+from finetune.writes import writing
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,10 @@ class RunManager:
     @contextlib.contextmanager
     def _exclusive(self):
         """Serialise start/resume across threads, RunManager instances and processes."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with process.LOCK, open(self.root / ".lock", "a") as fh:
+        with writing(self.root / ".lock"):  # e.g. a read-only runs folder: named, with the cause
+            self.root.mkdir(parents=True, exist_ok=True)
+            fh = open(self.root / ".lock", "a")  # noqa: SIM115 - closed by the with below
+        with process.LOCK, fh:
             try:
                 import fcntl
 
@@ -103,12 +106,15 @@ class RunManager:
         log_path = run_dir / LOG_FILE
         log_offset = _file_size(log_path)
         metrics_offset = _file_size(run_dir / ckpt.METRICS_FILE)
-        with open(log_path, "ab") as log, process.LOCK:  # the reaper writes run.json only after this one
-            log.write(
-                f"=== {'resume' if resume else 'start'} {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                f"{display_command(argv)}\n".encode()
-            )  # the log is shown to visitors
-            log.flush()
+        with writing(log_path):
+            log = open(log_path, "ab")  # noqa: SIM115 - closed by the with below
+        with log, process.LOCK:  # the reaper writes run.json only after this one
+            with writing(log_path):
+                log.write(
+                    f"=== {'resume' if resume else 'start'} {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                    f"{display_command(argv)}\n".encode()
+                )  # the log is shown to visitors
+                log.flush()
             proc = process.spawn(argv, run_dir, log)
             attempt = {
                 "argv": argv,
@@ -159,7 +165,8 @@ class RunManager:
             self._refuse_if_busy()
             run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
             run_dir = self.root / run_id
-            run_dir.mkdir(parents=True)
+            with writing(run_dir):  # e.g. a read-only runs folder: named, with the cause
+                run_dir.mkdir(parents=True)
             try:
                 if spec.holds_out_validation:
                     write_split(spec.split_train_file, run_dir)  # DataError: nothing launched
@@ -191,7 +198,8 @@ class RunManager:
         run_dir = self._dir(run_id)
         if not process.run_alive(run_dir, snap):
             return self.status(run_id)
-        (run_dir / ckpt.STOP_FILE).touch()
+        with writing(run_dir / ckpt.STOP_FILE):
+            (run_dir / ckpt.STOP_FILE).touch()
         pgid = read_info(run_dir).get("pgid")  # the attempt the note of a kill is about
         process.stop_in_background(
             run_dir, self.grace_seconds, self.term_seconds, on_kill=lambda: self._note_kill(run_dir, pgid)

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from chat.layout import DEMO_DIR, ROOT, SAMPLE_DIR
+from finetune.writes import writing
 
 RUNS_ROOT = Path("runs")  # PERSONA_CHAT_RUNS's default, relative to the working directory
 DATA_ROOT = Path("data/uploads")  # PERSONA_CHAT_DATA's default
@@ -100,5 +101,6 @@ def write_info(run_dir: Path, info: dict) -> None:
     """Replace run.json in one rename, so a reader never sees half of it. A read-modify-write
     must hold ``process.LOCK``."""
     tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, run_dir / RUN_FILE)
+    with writing(run_dir / RUN_FILE):  # a failed write names run.json and the cause
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, run_dir / RUN_FILE)

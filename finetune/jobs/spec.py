@@ -292,14 +292,11 @@ class JobSpec:
                 "train_file": _data_file(cfg.train_file.strip(), "dataset"),
                 "validation_file": _data_file(cfg.validation_file.strip(), "validation file"),
             }
-        dataset = (cfg.dataset_name or "").strip()
-        if not dataset:
-            raise ValueError("dataset is required ('sample', a Hub dataset id, or an uploaded file)")
-        if dataset != "sample":
-            if local_path(dataset, "dataset") is not None:  # the CLI would read any local folder or file
-                raise ValueError(f"dataset {dataset!r} is a local path; give it as an uploaded train file")
-            if not is_hub_id(dataset):
-                raise ValueError(f"dataset {dataset!r} is not 'sample', a Hub dataset id or an uploaded file")
+        # TrainConfig refused what is not 'sample' or a Hub id, the datasets library's loader names
+        # (json, csv, text...: they read local files) and folders of the working directory.
+        dataset = cfg.dataset_name
+        if dataset != "sample" and local_path(dataset, "dataset") is not None:  # one of the repository's
+            raise ValueError(f"dataset {dataset!r} is a local path; give it as an uploaded train file")
         return {"dataset_name": dataset}
 
     @property

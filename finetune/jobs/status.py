@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from chat.layout import FINAL, RESULTS_FILE
+from chat.layout import FINAL, RESULTS_FILE, ROOT
 from finetune import checkpoint as ckpt
 from finetune.config import DEFAULT_DATASET
 from finetune.jobs import process
@@ -39,7 +39,7 @@ LOG_TAIL_LINES = 40
 
 # Error kinds whose message the CLI writes for the user (finetune.cli.KNOWN_ERRORS); any other
 # kind ("internal": a bug, its message "ExcType: text") is said to be one.
-USER_ERRORS = ("DataError", "ModelLoadError", "TrainingError", "HubError", "FileNotFoundError")
+USER_ERRORS = ("DataError", "ModelLoadError", "TrainingError", "HubError", "WriteError", "FileNotFoundError")
 
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torch elastic's tag on each line of a rank
 _ERROR_LINE = re.compile(r"^\d\d:\d\d:\d\d ERROR [\w.]+: (.+)$")  # finetune.cli.main's log format
@@ -140,7 +140,8 @@ def tail(path: Path, lines: int, since: int = 0) -> list[str]:
 
 def error_from_event(event: dict) -> str | None:
     """The reason an error event gives: its message, plus the file at fault when the message
-    does not name it already; an internal error says it is one."""
+    does not name it already; an internal error says it is one. Paths in the repository are
+    shown relative to it (the message reaches visitors of the Train tab)."""
     message = str(event.get("message") or "").strip()
     if not message:
         return None
@@ -149,7 +150,7 @@ def error_from_event(event: dict) -> str | None:
         message = f"{kind} error: {message}"
     if file and str(file) not in message:
         message = f"{message} (file: {file})"
-    return message
+    return message.replace(f"{ROOT}{os.sep}", "")  # runs/<id>/..., not the server's folders
 
 
 def error_from_log(lines: list[str]) -> str | None:

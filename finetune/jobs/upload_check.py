@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from finetune.writes import WriteError, writing
+
 log = logging.getLogger(__name__)
 
 FLAT = ("texts", "labels")
@@ -100,6 +102,10 @@ def main() -> None:
         answer = (_check if request["mode"] == "check" else _split)(request, progress)
     except _Rejected as err:
         answer = {"error": f"{name}: {err}"}
+    except WriteError as err:  # the split's own files: the upload itself is fine
+        for tmp in Path(request.get("outputs", ["."])[0]).parent.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+        answer = {"error": str(err)}
     except MemoryError:
         answer = {
             "error": f"{name}: row {progress[0] + 1}: reading the file needs more than "
@@ -129,12 +135,13 @@ def _split(request: dict, progress: list) -> dict:
     n_val = max(1, int(n * request["fraction"]))
     outputs = [Path(p) for p in request["outputs"]]
     tmps = [p.with_name(f".{p.name}.tmp") for p in outputs]  # renamed into place: resume never sees half a file
-    with open(tmps[0], "w", encoding="utf-8") as train, open(tmps[1], "w", encoding="utf-8") as val:
-        for i, (texts, labels) in enumerate(_validated(path, limits, [0])):
-            out = train if i < n - n_val else val
-            out.write(json.dumps({"texts": texts, "labels": labels}, ensure_ascii=False) + "\n")
-    for tmp, out in zip(tmps, outputs):
-        os.replace(tmp, out)
+    with writing(outputs[0].parent):  # a failed write names the file and the cause (a WriteError)
+        with open(tmps[0], "w", encoding="utf-8") as train, open(tmps[1], "w", encoding="utf-8") as val:
+            for i, (texts, labels) in enumerate(_validated(path, limits, [0])):
+                out = train if i < n - n_val else val
+                out.write(json.dumps({"texts": texts, "labels": labels}, ensure_ascii=False) + "\n")
+        for tmp, out in zip(tmps, outputs):
+            os.replace(tmp, out)
     return {"train": n - n_val, "validation": n_val}
 
 

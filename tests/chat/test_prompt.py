@@ -8,7 +8,17 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from chat.layout import SAMPLE_DIR
-from chat.prompt import KINDS, build_source, fit_source, format_context, join_source, kind_of, neutralize, split_source
+from chat.prompt import (
+    CONTROL_RE,
+    KINDS,
+    build_source,
+    fit_source,
+    format_context,
+    join_source,
+    kind_of,
+    neutralize,
+    split_source,
+)
 
 PREFIX = "chatbot: "
 CONTEXT_KINDS = [k for k in KINDS if k != "none"]
@@ -81,6 +91,26 @@ def test_persona_lines_and_whitespace_are_collapsed():
 def test_control_characters_are_removed():
     source = build_source("topic", "ja\x00zz", ["a\x07b", "c\x1bd"])
     assert source == "topic: ja zz  <s> a b </s> <s> c d"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("\x1b[31mred\x1b[0m alert", "red alert"),  # the whole sequence: no "[31m" left behind
+        ("\x1b[1;4;38;5;196mbold", "bold"),
+        ("\x1b]0;a window title\x07after", "after"),
+        ("\x1b]8;;https://x.example\x1b\\link", "link"),
+        ("abc\u202edcba", "abc dcba"),  # right-to-left override: the text would read reversed
+        ("\u202aa\u202b\u202cb\u202d\u2066c\u2067d\u2068e\u2069", "a b c d e"),
+        ("lone \ud800 high, lone \udfff low", "lone high, lone low"),
+        ("[31m typed as text stays", "[31m typed as text stays"),  # no escape character: just text
+        ("שלום \u200f עולם", "שלום \u200f עולם"),  # right-to-left marks of real text are kept
+        ("emoji 😀 ok", "emoji 😀 ok"),  # a surrogate pair in UTF-16 is one character here
+    ],
+)
+def test_escape_sequences_bidi_overrides_and_lone_surrogates_are_removed(text, expected):
+    assert neutralize(text) == expected
+    assert CONTROL_RE.search(neutralize(text)) is None
 
 
 def test_shipped_sample_rows_are_in_the_format():

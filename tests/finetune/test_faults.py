@@ -14,6 +14,7 @@ from test_train import FAST, accelerate, errors, events, free_port, launch
 
 from chat.layout import ROOT
 from finetune import checkpoint as ckpt
+from finetune import writes
 from finetune.checkpoint import TrainingError
 
 
@@ -91,7 +92,7 @@ def test_disk_full_is_told_apart_from_other_write_errors(tmp_path):
         RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"), tmp_path
     )
     assert not ckpt.is_disk_full(PermissionError(errno.EACCES, "Permission denied"), tmp_path)
-    if ckpt.free_space(tmp_path)[0] > ckpt.LOW_SPACE:  # torch's C++ errors say nothing: only a full disk counts
+    if ckpt.free_space(tmp_path)[0] > writes.LOW_SPACE:  # torch's C++ errors say nothing: only a full disk counts
         try:
             try:
                 raise RuntimeError("basic_ios::clear: iostream error")

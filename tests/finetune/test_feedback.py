@@ -10,6 +10,7 @@ import sys
 import threading
 
 import pytest
+from write_faults import read_only
 
 from chat.layout import ROOT
 from chat.prompt import build_source
@@ -294,7 +295,24 @@ for i in range(1000):
 """
 
 
-def test_a_full_disk_refuses_the_row_and_keeps_the_store_readable(store):
+def test_escape_sequences_bidi_overrides_and_lone_surrogates_never_reach_a_stored_row(store, tmp_path):
+    """What a visitor types is stored as the model will read it (issue 28): no terminal colours (nor
+    their "[31m" remnants), no right-to-left override that shows a reviewer another text."""
+    dirty = "\x1b[31mred\x1b[0m \u202egnp.exe\u202c \ud800 \u2066x\u2069"
+    row_id = store.add(
+        **{**ROW, "context": "i am " + dirty, "turns": ["hi " + dirty], "response": "ok " + dirty, "original": dirty},
+        status="accepted",
+    )
+    store.vote(model_a="a " + dirty, model_b="b", winner="a", visitor="v", message=dirty)
+    row = store.get(row_id)
+    texts = [row.context, *row.turns, row.response, row.original]
+    assert texts == ["i am red gnp.exe x", "hi red gnp.exe x", "ok red gnp.exe x", "red gnp.exe x"]
+    exported = store.export(tmp_path / "out", holdout_every=0).train.read_text(encoding="utf-8")
+    assert not any(c in exported for c in "\x1b\u202e\u202c\u2066\u2069") and "[31m" not in exported
+    assert store.win_rates()[0]["model_a"] == "a red gnp.exe x"
+
+
+def test_a_file_size_limit_refuses_the_row_names_the_file_and_keeps_the_store_readable(store):
     before = [store.add(**{**ROW, "response": f"kept {i}"}) for i in range(3)]
     sizes = [p.stat().st_size for p in store.path.parent.glob("feedback.sqlite3*")]
     limit = max(sizes) + 200_000  # room for a few ~17 KB rows, then every file is "full"
@@ -309,7 +327,10 @@ def test_a_full_disk_refuses_the_row_and_keeps_the_store_readable(store):
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "disk is full" in result["error"] and "was not saved" in result["error"]
+    # the file and the cause (SQLite itself said "database or disk is full", for a file-size limit)
+    assert result["error"].startswith("cannot write fb/feedback.sqlite3")  # the database or its -wal file
+    assert "File too large (EFBIG): this process may write files of at most" in result["error"]
+    assert result["error"].endswith("(its RLIMIT_FSIZE, ulimit -f); the row was not saved")
     assert 1 <= result["saved"] < 1000
     reopened = FeedbackStore(store.path)
     assert [reopened.get(i).response for i in before] == ["kept 0", "kept 1", "kept 2"]
@@ -320,6 +341,20 @@ def test_a_full_disk_refuses_the_row_and_keeps_the_store_readable(store):
     assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     con.close()
     reopened.add(**ROW)  # and it takes rows again once there is room
+
+
+def test_a_read_only_store_or_export_folder_names_the_folder_and_the_cause(store, tmp_path):
+    row = store.add(**{**ROW, "rating": "like"}, status="accepted")
+    with read_only(store.path.parent) as name:
+        # named from the store's folder on (visitors read it, not the server's folders)
+        with pytest.raises(FeedbackError, match=rf"^cannot write fb: .*\({name}\); the row was not saved"):
+            store.add(**ROW)
+        with pytest.raises(FeedbackError, match=rf"\({name}\); the review was not saved"):
+            store.set_status([row], "rejected")
+    assert store.get(row).status == "accepted"
+    with read_only(tmp_path / "exports") as name:
+        with pytest.raises(FeedbackError, match=rf"^cannot write out: .*\({name}\); the export was not written"):
+            store.export(tmp_path / "exports" / "out")
 
 
 def test_votes_and_win_rates_count_both_orders_of_a_pair(store, monkeypatch):
@@ -343,6 +378,53 @@ def test_votes_and_win_rates_count_both_orders_of_a_pair(store, monkeypatch):
     monkeypatch.setattr(feedback, "MAX_VOTES", 6)
     with pytest.raises(FeedbackError, match="the vote store is full"):
         store.vote(model_a="x", model_b="y", winner="a", visitor="trainer:ann")
+
+
+def _age_votes(store, seconds: float) -> None:
+    """Every vote so far cast ``seconds`` earlier (what waiting does, without the wait)."""
+    import sqlite3
+
+    con = sqlite3.connect(store.path)
+    with con:
+        con.execute("UPDATE votes SET created = created - ?", (seconds,))
+    con.close()
+
+
+def test_a_visitor_votes_at_an_honest_pace_but_cannot_flood_a_pair_or_the_hour(store):
+    """Issue 28: 1,000 votes per address in one go decided a small leaderboard. Votes are also
+    bounded per hour and per pair of models per day; the refusal says which and when to come back."""
+    limit, _ = feedback.VOTES_PER_HOUR
+    per_pair, _ = feedback.VOTES_PER_PAIR_PER_DAY
+    # an honest visitor: a few votes on each of two pairs, an hour apart, all counted
+    for _hour in range(3):
+        for i in range(4):
+            store.vote(model_a="new", model_b="old", winner="ab"[i % 2], visitor="honest")
+            store.vote(model_a="x", model_b="new", winner="tie", visitor="honest")
+        _age_votes(store, 3601)
+    assert sum(r["total"] for r in store.win_rates()) == 24
+    # a flood on one pair: 20 a day counted (either order of the pair), then refused with the reason
+    for i in range(per_pair):
+        store.vote(model_a="new", model_b="old", winner="b", visitor="flood", message=f"m{i}")
+        if i % 10 == 9:
+            _age_votes(store, 3601)  # (under the hourly bound: this is the pair's)
+    with pytest.raises(
+        FeedbackError, match=r"voted 20 times on these two models in the last day.*not counted.*in \d+ h"
+    ):
+        store.vote(model_a="old", model_b="new", winner="a", visitor="flood")
+    store.vote(model_a="new", model_b="x", winner="a", visitor="flood")  # another pair still counts
+    store.vote(model_a="new", model_b="old", winner="a", visitor="honest")  # and another visitor
+    _age_votes(store, 24 * 3600)
+    store.vote(model_a="new", model_b="old", winner="b", visitor="flood")  # a day later: counted again
+    # a flood over many pairs: 30 an hour, then refused until the oldest of them is an hour old
+    pairs = [(f"m{i}", f"n{i}") for i in range(limit)]
+    for a, b in pairs:
+        store.vote(model_a=a, model_b=b, winner="a", visitor="spread")
+    with pytest.raises(FeedbackError, match=r"voted 30 times in the last hour.*try again in (59|60) min"):
+        store.vote(model_a="p", model_b="q", winner="a", visitor="spread")
+    _age_votes(store, 3601)
+    store.vote(model_a="p", model_b="q", winner="a", visitor="spread")
+    for _ in range(per_pair + 1):  # trainers are not bounded
+        store.vote(model_a="new", model_b="old", winner="a", visitor="trainer:ann")
 
 
 def test_visitor_key_is_a_salted_hash_with_a_private_salt(store, tmp_path, monkeypatch):

@@ -9,12 +9,20 @@ from finetune.jobs import paths
 from finetune.jobs.command import build_command
 from finetune.jobs.manager import RunManager
 
+OUTSIDE = ["../../etc/passwd", "/etc/passwd", "/etc", "~/.bashrc", "data/../../../etc/hosts"]
 
-@pytest.mark.parametrize("field", ["model", "dataset_name", "split_train_file"])
-@pytest.mark.parametrize("value", ["../../etc/passwd", "/etc/passwd", "/etc", "~/.bashrc", "data/../../../etc/hosts"])
+
+@pytest.mark.parametrize("field", ["model", "split_train_file"])
+@pytest.mark.parametrize("value", OUTSIDE)
 def test_paths_outside_allowed_roots_are_refused(roots, field, value):
     with pytest.raises(ValueError, match="outside the allowed folders"):
         spec(**{field: value})
+
+
+@pytest.mark.parametrize("value", OUTSIDE)
+def test_a_dataset_name_is_never_a_path(roots, value):
+    with pytest.raises(ValueError, match="is not 'sample' or a Hub dataset id"):
+        spec(dataset_name=value)
 
 
 def test_train_files_outside_allowed_roots_are_refused(roots):
@@ -55,7 +63,7 @@ def test_local_files_inside_roots(roots, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="replaces train_file/validation_file"):
         spec(split_train_file=str(train), train_file=str(train), validation_file=str(val))
     # a local file is data to upload, never a dataset name (the CLI would read any local path)
-    with pytest.raises(ValueError, match="is a local path; give it as an uploaded train file"):
+    with pytest.raises(ValueError, match="is not 'sample' or a Hub dataset id"):
         spec(dataset_name=str(train))
     # a Hub id stays a Hub id
     hub = spec("facebook/blenderbot-400M-distill", dataset_name="nobody/nothing")

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from chat.layout import ROOT
 from finetune import checkpoint as ckpt
 from finetune.jobs.manager import RunManager
 from finetune.jobs.status import _eta, error_from_event, error_from_log, status_of
@@ -78,6 +79,11 @@ def test_an_error_event_names_the_file_and_an_internal_kind(tmp_path):
     internal = {"event": "error", "kind": "internal", "message": "KeyError: 'input_ids'", "file": None}
     assert status_of(failed_run(tmp_path / "c", [internal])).error == "internal error: KeyError: 'input_ids'"
     assert error_from_event({"event": "error", "kind": "HubError", "message": "could not push"}) == "could not push"
+    inside = f"saving {ROOT}/runs/x/final failed: cannot write {ROOT}/runs/x/.final.tmp: File too large (EFBIG)"
+    shown = error_from_event(
+        {"event": "error", "kind": "TrainingError", "message": inside, "file": f"{ROOT}/runs/x/final"}
+    )
+    assert shown == "saving runs/x/final failed: cannot write runs/x/.final.tmp: File too large (EFBIG)"
     assert error_from_event({"event": "error", "kind": "DataError", "message": " "}) is None
 
 

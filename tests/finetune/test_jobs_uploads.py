@@ -126,3 +126,45 @@ def test_ensure_room_cleans_when_full_then_refuses(roots):
     with pytest.raises(ValueError, match=r"storage for uploads is full \(0 MB of 0 MB in use"):
         ensure_room(301, data, max_bytes=1200)
     assert used.is_dir() and fresh.is_dir()
+
+
+SPLIT_UNDER_A_LIMIT = """
+import json, resource, sys
+from pathlib import Path
+from finetune.jobs.uploads import write_split
+train, run_dir, limit = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # inherited by the splitting child
+try:
+    print(json.dumps({"split": write_split(train, run_dir)}))
+except Exception as err:
+    print(json.dumps({"kind": type(err).__name__, "error": str(err)}))
+"""
+
+
+def test_a_split_under_a_file_size_limit_names_the_file_and_the_limit(roots, tmp_path):
+    """Issue 28: the split's write failure used to read "cannot read the file: [Errno 27] File too large"."""
+    import subprocess
+    import sys
+
+    from chat.layout import ROOT
+
+    _, uploads = roots
+    train = write_jsonl(uploads / "train.jsonl", good_rows(2000))  # ~130 KB; the split's train part too
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", SPLIT_UNDER_A_LIMIT, str(train), str(run_dir), str(16 * 1024)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    data = run_dir / "data"
+    assert answer == {
+        "kind": "DataError",
+        "error": f"cannot write {data / '.train.jsonl.tmp'}: File too large (EFBIG): this process may write files "
+        "of at most 16.0 KiB (its RLIMIT_FSIZE, ulimit -f)",
+    }
+    assert list(data.iterdir()) == []  # no half-written split left

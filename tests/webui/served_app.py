@@ -3,9 +3,11 @@ client session that can call its private endpoints."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import httpx
 from gradio_client import Client
 
 from chat.engine import DEMO_DIR, ChatEngine, load_apart
@@ -27,7 +29,11 @@ class App:
         self.tab = train_handlers.TrainTab.create(auth=config, runs_root=self.runs)
         self.demo = app.build_demo(self.engine, self.tab)
         _, self.url, _ = self.demo.launch(
-            server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **app.LAUNCH_OPTIONS
+            server_name="127.0.0.1",
+            server_port=free_port(),
+            prevent_thread_lock=True,
+            quiet=True,
+            **app.launch_options(),
         )
 
     def close(self):
@@ -74,3 +80,34 @@ class Caller:
             self.token, *rest = out
             return tuple(rest)
         return out
+
+
+def raw_event(caller: Caller, api_name: str, *args, event_data=None, timeout: float = 60) -> tuple[bool, object]:
+    """One queued event of ``caller``'s session, sent as a page's script sends it: JSON with \\u
+    escapes, so text a client library refuses to encode (a lone surrogate) arrives as written, and
+    with the event data the browser adds (``event_data``). ``args`` are the inputs without the
+    session's State components (the server keeps those), the login token first where the endpoint
+    takes one. Returns (success, the outputs or the error message); an event stream that ends
+    without answering raises (httpx.RemoteProtocolError when the server dropped it)."""
+    client = caller.client
+    dependency = next(d for d in client.config["dependencies"] if d.get("api_name") == api_name)
+    types = {c["id"]: c.get("type") for c in client.config["components"]}
+    given = iter(args)
+    data = [None if types.get(i) == "state" else next(given) for i in dependency["inputs"]]
+    body = {"data": data, "event_data": event_data, "fn_index": dependency["id"], "session_hash": client.session_hash}
+    base = client.src.rstrip("/") + "/gradio_api"
+    with httpx.Client(timeout=timeout) as http:
+        joined = http.post(
+            f"{base}/queue/join", content=json.dumps(body).encode("ascii"), headers={"content-type": "application/json"}
+        )
+        joined.raise_for_status()
+        event_id = joined.json()["event_id"]
+        with http.stream("GET", f"{base}/queue/data", params={"session_hash": client.session_hash}) as stream:
+            for line in stream.iter_lines():
+                message = json.loads(line[5:]) if line.startswith("data:") else {}
+                if message.get("event_id") == event_id and message.get("msg") == "process_completed":
+                    output = message.get("output") or {}
+                    return bool(message.get("success")), output.get("data") if message.get("success") else output.get(
+                        "error"
+                    )
+    raise AssertionError(f"{api_name}: the event stream ended without an answer")

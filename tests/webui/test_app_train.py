@@ -182,6 +182,17 @@ def test_uploads_over_the_limit_are_refused_by_gradio(locked, tmp_path):
 # --------------------------------------------------------------------------- logged in
 
 
+@pytest.mark.parametrize("name", ["json", "text", "parquet"])
+def test_a_loader_name_in_the_hub_dataset_box_is_refused_before_any_run(locked, name):
+    """The datasets library's loader names read the server's working tree (issue 28): refused."""
+    caller = Caller(locked.url)
+    caller("train_login", PASSWORD)
+    before = locked.tab.manager.runs()
+    with pytest.raises(AppError, match="built-in loaders, which read local files.*upload it"):
+        caller("train_start", *run_form(locked.tab, data_source="hub", hub_dataset=name))
+    assert locked.tab.manager.runs() == before
+
+
 def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, upload_file):
     caller = Caller(locked.url)
     caller("train_login", PASSWORD)

@@ -12,6 +12,7 @@ import pytest
 
 from chat.compare import CompareSlot
 from chat.engine import DEMO_DIR, MAX_MESSAGE_CHARS, ChatEngine, Conversation, load_checkpoint
+from finetune import feedback
 from finetune.feedback import FeedbackStore
 from finetune.jobs.manager import RunManager
 from webui import chat_handlers, compare_handlers, train_handlers
@@ -241,9 +242,10 @@ def test_the_app_has_a_compare_tab_between_chat_and_train(serving, tmp_path, mon
     assert [p.label for p in demo.compare.panes] == ["A", "B"]
 
 
-def test_compare_through_the_launched_app(tmp_path, tiny_path):
+def test_compare_through_the_launched_app(tmp_path, tiny_path, monkeypatch):
     """Anonymous: choosing refused, chatting before a choice explained. Logged in: choose. Anonymous
-    again: both reply, one vote counted, a second vote on the same pair refused."""
+    again: both reply, one vote counted, a second vote on the same pair refused; past the votes a
+    visitor may cast on a pair (lowered here to 3 a day), the page says why a vote was not counted."""
     from served_app import App, Caller
 
     shutil.copytree(tiny_path, tmp_path / "runs" / "tiny-run" / "final")  # the run the pickers list
@@ -262,5 +264,14 @@ def test_compare_through_the_launched_app(tmp_path, tiny_path):
         assert note.startswith("✅") and table["data"][0][2:6] == [1, 0, 0, 1]
         assert anonymous("compare_vote_b")[1].startswith("⚠️ Nothing to vote on")
         assert [r["total"] for r in FeedbackStore().win_rates()] == [1]
+        monkeypatch.setattr(feedback, "VOTES_PER_PAIR_PER_DAY", (3, 24 * 3600))
+        notes = []
+        for i in range(3):
+            anonymous("compare_send", f"message {i}", "persona", PERSONA, [], [])
+            notes.append(anonymous("compare_vote_b")[1])
+        assert notes[:2] == ["✅ Thanks, your vote is saved: B is better."] * 2
+        assert notes[2].startswith("⚠️ The vote was not saved: you have voted 3 times on these two models")
+        assert "not counted: try again in" in notes[2]
+        assert [r["total"] for r in FeedbackStore().win_rates()] == [3]
     finally:
         served.close()

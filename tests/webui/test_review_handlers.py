@@ -69,7 +69,7 @@ def test_visitors_see_counts_and_the_login_hint_never_rows(tab):
         with pytest.raises(gr.Error, match="log in first"):
             review_handlers.accept_all(tab, forged, None, 10**6)
         with pytest.raises(gr.Error, match="log in first"):
-            review_handlers.export_file(tab, forged, None, tab.data_root)
+            review_handlers.export_file(tab, forged, None)
     assert tab.feedback_store().counts() == {"pending": 3, "accepted": 0, "rejected": 0}
 
 
@@ -115,17 +115,23 @@ def test_accept_all_stops_at_the_newest_row_the_page_counted(tab):
     assert [r.id for r in tab.feedback_store().rows("pending")] == [late]
 
 
-def test_export_is_one_jsonl_of_accepted_good_replies_in_the_training_format(tab, tmp_path):
+def test_export_is_one_jsonl_of_accepted_good_replies_in_the_training_format(tab):
     token = tab.auth.logins.issue()
     with pytest.raises(gr.Error, match="no accepted rows"):
-        review_handlers.export_file(tab, token, None, tmp_path)
+        review_handlers.export_file(tab, token, None)
     add(tab, 25, status="accepted")
     add(tab, 2, rating="dislike", status="accepted")  # no better reply to learn: not exported
     add(tab, 3)  # pending
-    path = Path(review_handlers.export_file(tab, token, None, tmp_path))
-    assert path.is_relative_to(tmp_path) and path.suffix == ".jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    download, note = review_handlers.export_file(tab, token, None)
+    assert download["name"].startswith("feedback-") and download["name"].endswith(".jsonl")
+    assert note == f"Exported 25 accepted rows: your browser saves them as **{download['name']}**."
+    rows = [json.loads(line) for line in download["text"].splitlines()]
     assert len(rows) == 25 and {"kind", "context", "turns", "response"} <= set(rows[0])  # no held-out part
+    # kept on the server under the data root (not gradio's folders), once per set of rows
+    (kept,) = (tab.data_root / "feedback" / "exports").glob("accepted-*/train.jsonl")
+    assert kept.read_text() == download["text"]
+    assert review_handlers.export_file(tab, token, None)[0]["text"] == download["text"]
+    assert len(list((tab.data_root / "feedback" / "exports").iterdir())) == 1
 
 
 def test_age():

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 from gradio.data_classes import FileData
 from hostile_files import parquet_bomb
+from write_faults import read_only
 
 from chat.engine import DEFAULT_MODEL, DEMO_DIR
 from finetune import checkpoint as ckpt
@@ -149,8 +150,15 @@ def test_spec_from_form_maps_every_field(tab):
         ({"data_source": "ftp"}, "data source must be one of"),
         ({"data_source": "upload"}, "upload a training file first"),
         ({"data_source": "hub", "hub_dataset": " "}, "type a Hub dataset id"),
-        ({"data_source": "hub", "hub_dataset": "/etc/passwd"}, "outside the allowed folders"),
-        ({"data_source": "hub", "hub_dataset": "../../etc"}, "outside the allowed folders"),
+        ({"data_source": "hub", "hub_dataset": "/etc/passwd"}, "not 'sample' or a Hub dataset id.*upload it"),
+        ({"data_source": "hub", "hub_dataset": "../../etc"}, "not 'sample' or a Hub dataset id.*upload it"),
+        # datasets' loader names read the server's files (issue 28): the box says to upload instead
+        (
+            {"data_source": "hub", "hub_dataset": "json"},
+            "'json' is one of the datasets library's built-in loaders.*upload",
+        ),
+        ({"data_source": "hub", "hub_dataset": "text"}, "built-in loaders, which read local files.*upload it"),
+        ({"data_source": "hub", "hub_dataset": "hf://datasets/csv"}, "not 'sample' or a Hub dataset id.*upload it"),
         ({"model_name_or_path": "/etc"}, "outside the allowed folders"),
         ({"model_name_or_path": ""}, "model is required"),
         ({"model_name_or_path": DEFAULT_MODEL}, "needs a GPU .* only the `tiny` model"),
@@ -343,6 +351,22 @@ def test_an_upload_is_refused_when_the_data_root_is_full(tab, monkeypatch):
         os.utime(path, (time.time() - 7200, time.time() - 7200))
     uploads, *_ = train_handlers.accept_upload(tab, logged_in(tab), None, None, "train", str(upload), "")
     assert not earlier.exists() and Path(uploads.train).read_bytes() == upload.read_bytes()
+
+
+def test_an_upload_copied_into_a_read_only_data_root_names_the_folder_and_the_cause(tab):
+    """Issue 28: a failed write names the file and the cause, and leaves nothing half-copied."""
+    upload = write_rows(tab.incoming / "data.jsonl", 12)
+    with read_only(tab.data_root) as name:
+        message = refusal(tab, logged_in(tab), str(upload), "")
+    assert re.fullmatch(rf"cannot write {re.escape(str(tab.data_root))}/\S+: .*\({name}\)", message), message
+    assert list(tab.data_root.iterdir()) == []
+
+
+def test_a_run_in_a_read_only_runs_folder_names_it_and_the_cause(tab):
+    with read_only(tab.manager.root) as name:
+        with pytest.raises(gr.Error, match=rf"cannot write {re.escape(str(tab.manager.root))}/\S+: .*\({name}\)"):
+            train_handlers.start_run(tab, logged_in(tab), None, None, form(tab))
+    assert tab.manager.runs() == []
 
 
 def put(folder: Path, name: str, size: int, age_s: float) -> Path:
