@@ -18,6 +18,7 @@ import warnings
 
 import gradio as gr
 
+from chat import clients
 from chat.engine import ChatEngine
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
 from webui import auth, chat_handlers, chat_tab, compare_tab, review_handlers, train_handlers, train_tab, train_view
@@ -134,6 +135,14 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
     return demo
 
 
+def launch_options(engine: ChatEngine, behind_proxy: bool) -> dict:
+    """``demo.launch()``'s arguments wherever the app is launched: ``python app.py``, ``gradio
+    app.py`` (which runs ``python app.py`` and reloads into the same server) and a Space (which
+    runs app.py too). ``behind_proxy``: the login settings' switch (``auth.AuthConfig``)."""
+    clients.socket_addresses_only()  # uvicorn must not take a client's own X-Forwarded-For as its address
+    return dict(LAUNCH_OPTIONS)
+
+
 _demo: gr.Blocks | None = None
 
 
@@ -155,4 +164,5 @@ if __name__ == "__main__":
     log.info("%s (model ready in %.1f s)", engine.status, time.perf_counter() - started)
     demo = build_demo(engine)
     web_uploads.start_cleaner()  # gradio's upload folder and the app's copies, every 10 s
-    demo.launch(**LAUNCH_OPTIONS)  # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself
+    # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself
+    demo.launch(**launch_options(engine, clients.behind_proxy()))

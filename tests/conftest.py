@@ -48,6 +48,7 @@ SLOW_MODULES = {
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
     "test_browser_chat_state.py",  # saved chats' settings, the banner across two pages
     "test_attacks.py",
+    "test_forged_addresses.py",  # two app start-ups, forged X-Forwarded-For (issue 28 item 1)
     "test_cpu_variants.py",
     "test_upload_limits.py",
 }

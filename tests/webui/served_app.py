@@ -4,8 +4,10 @@ client session that can call its private endpoints."""
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
+import httpx
 from gradio_client import Client
 
 from chat.engine import DEMO_DIR, ChatEngine, load_apart
@@ -26,8 +28,9 @@ class App:
         self.engine = ChatEngine(load_apart(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
         self.tab = train_handlers.TrainTab.create(auth=config, runs_root=self.runs)
         self.demo = app.build_demo(self.engine, self.tab)
+        options = app.launch_options(self.engine, config.behind_proxy)
         _, self.url, _ = self.demo.launch(
-            server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **app.LAUNCH_OPTIONS
+            server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **options
         )
 
     def close(self):
@@ -74,3 +77,26 @@ class Caller:
             self.token, *rest = out
             return tuple(rest)
         return out
+
+
+def http_from(app: App, address: str = "127.0.0.1", **kwargs) -> httpx.Client:
+    """An HTTP client of ``app`` whose connections come from ``address`` (any 127.0.0.x is this
+    machine): as many distinct clients as a test needs, each with its own socket address."""
+    transport = httpx.HTTPTransport(local_address=address)
+    return httpx.Client(base_url=app.url, transport=transport, timeout=30, **kwargs)
+
+
+def fn_index(app: App, api_name: str) -> int:
+    config = httpx.get(app.url + "config", timeout=10).json()
+    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == api_name)
+
+
+def run_predict(http: httpx.Client, fn: int, data: list, forged: str | None = None, session: str | None = None):
+    """One unqueued event as a browser sends it (login, page load); ``forged``: the address it
+    claims in X-Forwarded-For."""
+    headers = {"x-forwarded-for": forged} if forged else {}
+    return http.post(
+        "gradio_api/run/predict",
+        headers=headers,
+        json={"fn_index": fn, "data": data, "session_hash": session or uuid.uuid4().hex[:11]},
+    )
