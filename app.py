@@ -18,6 +18,7 @@ import warnings
 
 import gradio as gr
 
+import api
 from chat import clients
 from chat.engine import ChatEngine
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
@@ -138,9 +139,11 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
 def launch_options(engine: ChatEngine, behind_proxy: bool) -> dict:
     """``demo.launch()``'s arguments wherever the app is launched: ``python app.py``, ``gradio
     app.py`` (which runs ``python app.py`` and reloads into the same server) and a Space (which
-    runs app.py too). ``behind_proxy``: the login settings' switch (``auth.AuthConfig``)."""
+    runs app.py too). ``behind_proxy``: the login settings' switch (``auth.AuthConfig``).
+
+    Adds the HTTP edge (api/): every request body bounded, installed on gradio's FastAPI app."""
     clients.socket_addresses_only()  # uvicorn must not take a client's own X-Forwarded-For as its address
-    return dict(LAUNCH_OPTIONS)
+    return {**LAUNCH_OPTIONS, "app_kwargs": api.app_kwargs()}
 
 
 _demo: gr.Blocks | None = None
