@@ -4,7 +4,8 @@ Tabs: **Chat** (webui/chat_tab.py: talk to the served checkpoint as a persona / 
 goal / topic / no context, pick the served model), **Compare** (webui/compare_tab.py: the same
 message to two models side by side, votes and win rates) and **Train** (webui/train_tab.py: start,
 watch, stop, resume and push runs of finetune.jobs). Public API:
-``Client(url).predict(message, kind, context, api_name="/chat")`` (README, "API"). Every other
+``Client(url).predict(message, kind, context, api_name="/chat")`` (README, "API"), and the
+OpenAI-compatible ``/v1`` routes of api/ on the same server (``launch_options``). Every other
 endpoint is private, and those that change something check the login themselves (webui/auth.py).
 
 ``build_demo(engine, train)`` builds the app around any ``ChatEngine`` and Train tab settings (the
@@ -136,14 +137,19 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
     return demo
 
 
-def launch_options(engine: ChatEngine, behind_proxy: bool) -> dict:
+def launch_options(engine: ChatEngine, behind_proxy: bool, api_config: api.ApiConfig | None = None) -> dict:
     """``demo.launch()``'s arguments wherever the app is launched: ``python app.py``, ``gradio
     app.py`` (which runs ``python app.py`` and reloads into the same server) and a Space (which
     runs app.py too). ``behind_proxy``: the login settings' switch (``auth.AuthConfig``).
 
-    Adds the HTTP edge (api/): every request body bounded, installed on gradio's FastAPI app."""
+    Adds the HTTP edge (api/), installed on gradio's FastAPI app: the OpenAI-compatible routes on
+    ``engine`` (keys from PERSONA_CHAT_API_KEYS unless ``api_config`` is given) and a bound on
+    every request body. Server-side rendering stays off: it puts a Node server in front that
+    passes only gradio's own paths to Python, so /v1 would never arrive (gradio turns it on when
+    GRADIO_SSR_MODE=true, as Spaces may set it)."""
     clients.socket_addresses_only()  # uvicorn must not take a client's own X-Forwarded-For as its address
-    return {**LAUNCH_OPTIONS, "app_kwargs": api.app_kwargs()}
+    config = api_config or api.ApiConfig.from_env(behind_proxy)
+    return {**LAUNCH_OPTIONS, "ssr_mode": False, "app_kwargs": api.app_kwargs(engine, config)}
 
 
 _demo: gr.Blocks | None = None

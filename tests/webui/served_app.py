@@ -16,9 +16,10 @@ from webui import auth, train_handlers
 
 
 class App:
-    """A launched app with its own runs root, data root and engine."""
+    """A launched app with its own runs root, data root and engine; ``api_config``: the API's
+    settings (``api.ApiConfig``; default: from the environment, as the app reads them)."""
 
-    def __init__(self, root: Path, config: auth.AuthConfig):
+    def __init__(self, root: Path, config: auth.AuthConfig, api_config=None):
         import app
 
         self.runs, self.data = root / "runs", root / "uploads"
@@ -28,7 +29,7 @@ class App:
         self.engine = ChatEngine(load_apart(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
         self.tab = train_handlers.TrainTab.create(auth=config, runs_root=self.runs)
         self.demo = app.build_demo(self.engine, self.tab)
-        options = app.launch_options(self.engine, config.behind_proxy)
+        options = app.launch_options(self.engine, config.behind_proxy, api_config)
         _, self.url, _ = self.demo.launch(
             server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **options
         )
