@@ -14,12 +14,14 @@ Nothing here trains or switches models.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import threading
 import time
 
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -29,7 +31,7 @@ from api.mapping import parse
 from api.models import servable
 from api.responses import Answer
 from chat.clients import client_address
-from chat.engine import InputError
+from chat.engine import InputError, Reply
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +137,39 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+_END = object()  # the generation has ended
+
+
 async def _events(answer: Answer, replies, release):
-    """The server-sent events of one streamed answer; ``release`` once its generation has ended."""
-    ended, reply, finish_sent = False, None, False
-    try:
-        async for reply in iterate_in_threadpool(replies):
+    """The server-sent events of one streamed answer.
+
+    One thread per stream runs the engine's reply to its end, whoever still listens, and then
+    ``release``s the share (a client that hangs up keeps it until then). It hands each piece to
+    the event loop; the loop sends what arrived since its last event as one delta, so a busy
+    machine sends fewer, larger pieces instead of falling behind."""
+    loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
+
+    def produce():
+        end = _END
+        try:
+            for reply in replies:
+                loop.call_soon_threadsafe(pieces.put_nowait, reply)
+        except Exception as err:  # the generation failed
+            end = err
+        finally:
+            release()
+            with contextlib.suppress(RuntimeError):  # the server closed its loop meanwhile
+                loop.call_soon_threadsafe(pieces.put_nowait, end)
+
+    threading.Thread(target=produce, daemon=True, name="api-stream").start()
+    reply, finish_sent = None, False
+    while True:
+        items = [await pieces.get()]
+        while not pieces.empty():
+            items.append(pieces.get_nowait())
+        news = [item for item in items if isinstance(item, Reply)]
+        if news:
+            reply = news[-1]
             if not answer.opened:  # the first event names the speaker, as OpenAI's do
                 answer.opened = True
                 yield _sse(answer.chunk(reply, {"role": "assistant", "content": "", "refusal": None}))
@@ -150,27 +180,15 @@ async def _events(answer: Answer, replies, release):
             if answer.stopped and not stopped:  # a stop string: the text ends now, the usage with the generation
                 yield _sse(answer.chunk(reply, {}, "stop"))
                 finish_sent = True
-        ended = True
-        if not finish_sent:
-            yield _sse(answer.chunk(reply, {}, answer.finish_reason(reply)))
-        if answer.request.include_usage:
-            yield _sse(answer.chunk(reply, {}, usage=answer.usage(reply)))
-        yield "data: [DONE]\n\n"
-    except Exception as err:  # the generation failed: it has ended too
-        ended = True
-        log.exception("API stream failed")
-        yield _sse(APIError(500, f"The model could not reply ({type(err).__name__}).", type="server_error").body())
-    finally:
-        if ended:
-            release()
-        else:  # the client hung up: the share is released when the generation it started ends
-            threading.Thread(target=_drain, args=(replies, release), daemon=True, name="api-drain").start()
-
-
-def _drain(replies, release) -> None:
-    try:
-        _last(replies)
-    except Exception:  # noqa: BLE001 - nobody is waiting for this reply any more
-        pass
-    finally:
-        release()
+        end = items[-1]
+        if isinstance(end, Exception):
+            log.error("API stream failed", exc_info=end)
+            yield _sse(APIError(500, f"The model could not reply ({type(end).__name__}).", type="server_error").body())
+            return
+        if end is _END:
+            if not finish_sent:
+                yield _sse(answer.chunk(reply, {}, answer.finish_reason(reply)))
+            if answer.request.include_usage:
+                yield _sse(answer.chunk(reply, {}, usage=answer.usage(reply)))
+            yield "data: [DONE]\n\n"
+            return

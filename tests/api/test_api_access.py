@@ -103,6 +103,23 @@ def test_one_address_gets_a_fair_share_and_the_total_is_bounded(app):
         c.close()
 
 
+def test_a_client_that_hangs_up_keeps_its_share_until_its_generation_ends(app):
+    """Hanging up and asking again cannot pile up work behind the API's bounds."""
+    with http_from(app, "127.0.0.60") as http:
+        gate = hold_the_batcher(app)
+        try:
+            for _ in range(PER_ADDRESS):
+                open_stream(http).close()  # admitted, then the client hangs up
+            assert open_stream(http).status_code == 429  # the generations it started still run
+        finally:
+            gate.open.set()
+        deadline = time.monotonic() + 60
+        while (again := open_stream(http)).status_code == 429 and time.monotonic() < deadline:
+            again.close()
+            time.sleep(0.2)
+        assert again.status_code == 200 and again.read().decode().rstrip().endswith("data: [DONE]")
+
+
 def test_32_api_streams_at_once_and_a_browser_visitor_still_gets_a_reply(app, capsys):
     """Each API client on its own address, retrying 429s as the openai client does (Retry-After)."""
     statuses = []
