@@ -22,7 +22,7 @@ ALLOWED = {
 # Third-party packages that belong to one layer: the web UI, or training.
 ONLY_IN = {
     "gradio": {"webui", "app"},
-    "gradio_client": {"webui", "app"},
+    "gradio_client": {"webui", "app", "bench"},  # bench.api drives the running app like its users
     "accelerate": {"finetune", "bench"},
     "deepspeed": {"finetune", "bench"},
 }
