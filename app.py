@@ -16,6 +16,7 @@ loads nothing: ``app.demo`` is built on first access.
 import logging
 import time
 import warnings
+from dataclasses import replace
 
 import gradio as gr
 
@@ -143,12 +144,13 @@ def launch_options(engine: ChatEngine, behind_proxy: bool, api_config: api.ApiCo
     runs app.py too). ``behind_proxy``: the login settings' switch (``auth.AuthConfig``).
 
     Adds the HTTP edge (api/), installed on gradio's FastAPI app: the OpenAI-compatible routes on
-    ``engine`` (keys from PERSONA_CHAT_API_KEYS unless ``api_config`` is given) and a bound on
+    ``engine`` (keys from PERSONA_CHAT_API_KEYS unless ``api_config`` gives them; one proxy switch
+    for both) and a bound on
     every request body. Server-side rendering stays off: it puts a Node server in front that
     passes only gradio's own paths to Python, so /v1 would never arrive (gradio turns it on when
     GRADIO_SSR_MODE=true, as Spaces may set it)."""
     clients.socket_addresses_only()  # uvicorn must not take a client's own X-Forwarded-For as its address
-    config = api_config or api.ApiConfig.from_env(behind_proxy)
+    config = replace(api_config, behind_proxy=behind_proxy) if api_config else api.ApiConfig.from_env(behind_proxy)
     return {**LAUNCH_OPTIONS, "ssr_mode": False, "app_kwargs": api.app_kwargs(engine, config)}
 
 
