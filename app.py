@@ -4,7 +4,8 @@ Tabs: **Chat** (webui/chat_tab.py: talk to the served checkpoint as a persona / 
 goal / topic / no context, pick the served model), **Compare** (webui/compare_tab.py: the same
 message to two models side by side, votes and win rates) and **Train** (webui/train_tab.py: start,
 watch, stop, resume and push runs of finetune.jobs). Public API:
-``Client(url).predict(message, kind, context, api_name="/chat")`` (README, "API"). Every other
+``Client(url).predict(message, kind, context, api_name="/chat")`` (README, "API"), and the
+OpenAI-compatible ``/v1`` routes of api/ on the same server (``launch_options``). Every other
 endpoint is private, and those that change something check the login themselves (webui/auth.py).
 
 ``build_demo(engine, train)`` builds the app around any ``ChatEngine`` and Train tab settings (the
@@ -15,10 +16,13 @@ loads nothing: ``app.demo`` is built on first access.
 import logging
 import time
 import warnings
+from dataclasses import replace
 
 import gradio as gr
 from starlette.middleware import Middleware
 
+import api
+from chat import clients
 from chat.engine import ChatEngine
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
 from webui import auth, chat_handlers, chat_tab, compare_tab, review_handlers, train_handlers, train_tab, train_view
@@ -37,12 +41,6 @@ CONCURRENCY = 8
 # show_error: a request that gradio itself rejects (e.g. too few inputs) says why, not {"error": null};
 # the app's own handlers turn every failure into a message meant for the user (gr.Error).
 LAUNCH_OPTIONS = {"max_file_size": MAX_UPLOAD_BYTES, "state_session_capacity": 1000, "show_error": True}
-
-
-def launch_options() -> dict:
-    """LAUNCH_OPTIONS and the app's request middleware (webui/request_text.py: no lone surrogate in
-    a request reaches gradio), as a new dict for each launch: gradio writes into its app_kwargs."""
-    return {**LAUNCH_OPTIONS, "app_kwargs": {"middleware": [Middleware(DropLoneSurrogates)]}}
 
 
 PRIVATE = {"api_visibility": "private"}
@@ -144,6 +142,25 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
     return demo
 
 
+def launch_options(engine: ChatEngine, behind_proxy: bool, api_config: api.ApiConfig | None = None) -> dict:
+    """``demo.launch()``'s arguments wherever the app is launched: ``python app.py``, ``gradio
+    app.py`` (which runs ``python app.py`` and reloads into the same server) and a Space (which
+    runs app.py too). ``behind_proxy``: the login settings' switch (``auth.AuthConfig``).
+
+    Adds the HTTP edge (api/), installed on gradio's FastAPI app: the OpenAI-compatible routes on
+    ``engine`` (keys from PERSONA_CHAT_API_KEYS unless ``api_config`` gives them; one proxy switch
+    for both) and a bound on
+    every request body. Server-side rendering stays off: it puts a Node server in front that
+    passes only gradio's own paths to Python, so /v1 would never arrive (gradio turns it on when
+    GRADIO_SSR_MODE=true, as Spaces may set it)."""
+    clients.socket_addresses_only()  # uvicorn must not take a client's own X-Forwarded-For as its address
+    config = replace(api_config, behind_proxy=behind_proxy) if api_config else api.ApiConfig.from_env(behind_proxy)
+    app_kwargs = api.app_kwargs(engine, config)  # a fresh dict each launch: gradio writes into it
+    # Inside the body bound (outermost): no lone surrogate in a request reaches gradio or the API.
+    app_kwargs["middleware"].append(Middleware(DropLoneSurrogates))
+    return {**LAUNCH_OPTIONS, "ssr_mode": False, "app_kwargs": app_kwargs}
+
+
 _demo: gr.Blocks | None = None
 
 
@@ -165,4 +182,5 @@ if __name__ == "__main__":
     log.info("%s (model ready in %.1f s)", engine.status, time.perf_counter() - started)
     demo = build_demo(engine)
     web_uploads.start_cleaner()  # gradio's upload folder and the app's copies, every 10 s
-    demo.launch(**launch_options())  # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself
+    # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself
+    demo.launch(**launch_options(engine, clients.behind_proxy()))

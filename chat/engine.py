@@ -147,6 +147,23 @@ class LoadedModel:
         return len(self.tokenizer(text).input_ids)
 
 
+@dataclass(frozen=True)
+class Reply:
+    """A reply as an API reports it (``ChatEngine.replies``): the text so far while it streams,
+    then the whole reply with its generated token ids (``tokens``, None until then)."""
+
+    text: str
+    budget: Budget
+    model: LoadedModel  # the model that wrote it
+    tokens: tuple[int, ...] | None = None  # generated ids, up to and including the end token
+    cut: bool = False  # ended by max_new_tokens, not by the model
+
+    def text_of(self, n: int) -> str:
+        """The reply as ``text`` shows it, from its first ``n`` tokens only."""
+        decoded = self.model.tokenizer.decode(list(self.tokens[:n]), skip_special_tokens=True)
+        return ChatEngine._clean_reply(decoded)
+
+
 def _resolve_dir(spec: str) -> Path | None:
     """A local model directory for ``spec``: itself, its final/, or the newest RUN/final/."""
     path = Path(spec).expanduser()
@@ -405,9 +422,12 @@ class ChatEngine:
         prepared = self._prepare(conv, message, settings)
         return self._stream(settings, *prepared)
 
-    def _stream(self, settings, loaded, encoded, budget, kwargs) -> Iterator[tuple[str, Budget]]:
+    def _stream(self, settings, loaded, encoded, budget, kwargs, outputs=None) -> Iterator[tuple[str, Budget]]:
+        """``stream``'s generator; the generated ids are appended to ``outputs`` at the end."""
         if not settings.streams:
             out = self._generate(loaded, encoded, kwargs)
+            if outputs is not None:
+                outputs.append(out)
             yield self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget
             return
         streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=300)
@@ -417,9 +437,32 @@ class ChatEngine:
             text += piece
             if text.strip():
                 yield self._clean_reply(text), budget
-        future.result()  # re-raises a generation error in the caller's thread
+        out = future.result()  # re-raises a generation error in the caller's thread
+        if outputs is not None:
+            outputs.append(out)
         if not text.strip():
             yield "", budget
+
+    def replies(
+        self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]
+    ) -> Iterator[Reply]:
+        """``stream`` with what an API reports (the OpenAI-compatible routes, api/): the reply so
+        far as it grows, then the whole ``Reply`` with its token ids and why it ended. Bad input
+        raises InputError here, at the call."""
+        loaded, encoded, budget, kwargs = self._prepare(conv, message, settings)
+
+        def replies() -> Iterator[Reply]:
+            outputs, text = [], ""
+            for text, _ in self._stream(settings, loaded, encoded, budget, kwargs, outputs):
+                yield Reply(text, budget, loaded)
+            ids = outputs[0][0, 1:].tolist()  # without the decoder's start token
+            eos, pad = loaded.tokenizer.eos_token_id, loaded.tokenizer.pad_token_id
+            ids = ids[: ids.index(eos) + 1] if eos in ids else ids  # a batch pads rows that ended early
+            while eos not in ids and ids and ids[-1] == pad:
+                ids.pop()
+            yield Reply(text, budget, loaded, tuple(ids), cut=len(ids) >= settings.max_new_tokens)
+
+        return replies()
 
     def respond(
         self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]

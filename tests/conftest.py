@@ -49,6 +49,10 @@ SLOW_MODULES = {
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
     "test_browser_chat_state.py",  # saved chats' settings, the banner across two pages
     "test_attacks.py",
+    "test_forged_addresses.py",  # two app start-ups, forged X-Forwarded-For (issue 28 item 1)
+    "test_body_limits.py",  # 150 MB bodies against the running app (issue 28 item 2)
+    "test_openai_api.py",  # the OpenAI-compatible API through the openai client (issue 26)
+    "test_api_access.py",  # keys, fair share, 32 API streams at once
     "test_cpu_variants.py",
     "test_upload_limits.py",
     "test_text_hygiene.py",  # the app launched, every text endpoint attacked
@@ -58,6 +62,7 @@ SLOW_TESTS = {
     "test_python_app_py_without_the_hub_serves_the_demo_model_at_once",  # two app start-ups
     "test_smoke_run_measures_both_recipes",  # a CPU benchmark run
     "test_bench_smoke",
+    "test_api_bench_smoke",  # starts python app.py
     "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)
     "test_32_clients_rating_at_once_each_find_their_row_exactly_once",
     "test_compare_through_the_launched_app",  # an app start-up

@@ -37,11 +37,13 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from chat import clients
+
 log = logging.getLogger(__name__)
 
 PASSWORD_ENV = "TRAIN_PASSWORD"
 USERS_ENV = "TRAIN_USERS"
-PROXY_ENV = "PERSONA_CHAT_BEHIND_PROXY"  # 1: trust the proxy's X-Forwarded-For (automatic on a Space)
+PROXY_ENV = clients.PROXY_ENV  # 1: trust the proxy's X-Forwarded-For (automatic on a Space)
 MAX_PASSWORD_CHARS = 1024
 IDLE_SECONDS = 30 * 60  # a login unused this long has ended
 MAX_LOGINS = 32  # live logins kept (one trainer, a few browsers); the least recently used goes first
@@ -160,7 +162,7 @@ class AuthConfig:
         env = os.environ if env is None else env
         password = env.get(PASSWORD_ENV) or None
         users = frozenset(u.lower() for u in re.split(r"[,\s]+", env.get(USERS_ENV, "")) if u)
-        on_space = env.get("SYSTEM") == "spaces" and bool(env.get("SPACE_ID"))
+        on_space = clients.on_space(env)
         oauth = bool(users) and on_space and bool(env.get("OAUTH_CLIENT_ID"))
         problem = None
         if users and not on_space:
@@ -172,19 +174,13 @@ class AuthConfig:
             problem = f"`{USERS_ENV}` is ignored: add `hf_oauth: true` to the README front matter to enable OAuth."
         if problem:
             log.warning(problem.replace("`", ""))
-        behind_proxy = on_space or env.get(PROXY_ENV, "") == "1"
+        behind_proxy = clients.behind_proxy(env)
         return cls(password=password, users=users, oauth=oauth, problem=problem, behind_proxy=behind_proxy)
 
     def client(self, request) -> str:
-        """The address a request comes from, for counting wrong passwords (``gr.Request``)."""
-        if request is None:
-            return "unknown"
-        if self.behind_proxy:
-            forwarded = (request.headers.get("x-forwarded-for") or "").split(",")[-1].strip()
-            if forwarded:
-                return forwarded
-        client = getattr(request, "client", None)
-        return getattr(client, "host", None) or "unknown"
+        """The address a request comes from (``gr.Request``), for the login throttle and the
+        feedback and vote caps: ``chat.clients.client_address``."""
+        return clients.client_address(request, self.behind_proxy)
 
     @property
     def enabled(self) -> bool:

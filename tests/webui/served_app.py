@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import httpx
@@ -16,9 +17,10 @@ from webui import auth, train_handlers
 
 
 class App:
-    """A launched app with its own runs root, data root and engine."""
+    """A launched app with its own runs root, data root and engine; ``api_config``: the API's
+    settings (``api.ApiConfig``; default: from the environment, as the app reads them)."""
 
-    def __init__(self, root: Path, config: auth.AuthConfig):
+    def __init__(self, root: Path, config: auth.AuthConfig, api_config=None):
         import app
 
         self.runs, self.data = root / "runs", root / "uploads"
@@ -28,12 +30,9 @@ class App:
         self.engine = ChatEngine(load_apart(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
         self.tab = train_handlers.TrainTab.create(auth=config, runs_root=self.runs)
         self.demo = app.build_demo(self.engine, self.tab)
+        options = app.launch_options(self.engine, config.behind_proxy, api_config)
         _, self.url, _ = self.demo.launch(
-            server_name="127.0.0.1",
-            server_port=free_port(),
-            prevent_thread_lock=True,
-            quiet=True,
-            **app.launch_options(),
+            server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **options
         )
 
     def close(self):
@@ -111,3 +110,26 @@ def raw_event(caller: Caller, api_name: str, *args, event_data=None, timeout: fl
                         "error"
                     )
     raise AssertionError(f"{api_name}: the event stream ended without an answer")
+
+
+def http_from(app: App, address: str = "127.0.0.1", **kwargs) -> httpx.Client:
+    """An HTTP client of ``app`` whose connections come from ``address`` (any 127.0.0.x is this
+    machine): as many distinct clients as a test needs, each with its own socket address."""
+    transport = httpx.HTTPTransport(local_address=address)
+    return httpx.Client(base_url=app.url, transport=transport, timeout=30, **kwargs)
+
+
+def fn_index(app: App, api_name: str) -> int:
+    config = httpx.get(app.url + "config", timeout=10).json()
+    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == api_name)
+
+
+def run_predict(http: httpx.Client, fn: int, data: list, forged: str | None = None, session: str | None = None):
+    """One unqueued event as a browser sends it (login, page load); ``forged``: the address it
+    claims in X-Forwarded-For."""
+    headers = {"x-forwarded-for": forged} if forged else {}
+    return http.post(
+        "gradio_api/run/predict",
+        headers=headers,
+        json={"fn_index": fn, "data": data, "session_hash": session or uuid.uuid4().hex[:11]},
+    )

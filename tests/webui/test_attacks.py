@@ -1,49 +1,36 @@
 """What an anonymous visitor of a public Space can try, against the app on 127.0.0.1: each test
 sends a bounded attack (count and time) and checks that chat keeps answering everyone, memory
-stays bounded and the trainer stays logged in. Chat latency under attack is printed (-s)."""
+stays bounded and the trainer stays logged in. Chat latency under attack is printed (-s).
+
+The app here is not told it is behind a proxy (the default), so a client is its socket's address:
+the attacker connects from another loopback address (127.0.0.3) than the trainer (127.0.0.1).
+Forged X-Forwarded-For headers are tests/webui/test_forged_addresses.py's."""
 
 import json
 import statistics
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
 import pytest
 from gradio_client import Client
-from served_app import App, Caller
+from served_app import App, Caller, fn_index, http_from, run_predict
 
 from chat.engine import MAX_HISTORY_TURNS
 from chat.layout import DEMO_DIR
 from webui import auth
 
 PASSWORD = "s3cret-for-attack-tests"
-TRAINER, ATTACKER = "198.51.100.4", "203.0.113.9"
+ATTACKER = "127.0.0.3"  # the trainer's gradio_client connects from 127.0.0.1
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    # As on a Space: behind a proxy that appends the client address to X-Forwarded-For.
-    served = App(tmp_path_factory.mktemp("attacks"), auth.AuthConfig(password=PASSWORD, behind_proxy=True))
+    served = App(tmp_path_factory.mktemp("attacks"), auth.AuthConfig(password=PASSWORD))
     yield served
     served.close()
-
-
-def fn_index(app: App, api_name: str) -> int:
-    config = httpx.get(app.url + "config", timeout=10).json()
-    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == api_name)
-
-
-def run_predict(http: httpx.Client, fn: int, data: list, client: str | None = None, session: str | None = None):
-    """One unqueued event as a browser sends it (login, page load)."""
-    headers = {"x-forwarded-for": client} if client else {}
-    return http.post(
-        "gradio_api/run/predict",
-        headers=headers,
-        json={"fn_index": fn, "data": data, "session_hash": session or uuid.uuid4().hex[:11]},
-    )
 
 
 def chat_latencies(app: App, n: int) -> list[float]:
@@ -63,9 +50,9 @@ def test_a_wrong_password_flood_neither_fills_the_queue_nor_locks_out_the_traine
     refused = []
 
     def flood():
-        with httpx.Client(base_url=app.url, timeout=30) as http:
+        with http_from(app, ATTACKER) as http:
             while not stop.is_set() and len(refused) < 2000:
-                refused.append(run_predict(http, login, [None, "guess"], client=ATTACKER).json())
+                refused.append(run_predict(http, login, [None, "guess"]).json())
 
     flood_started = time.monotonic()
     with ThreadPoolExecutor(6) as pool:
@@ -74,9 +61,8 @@ def test_a_wrong_password_flood_neither_fills_the_queue_nor_locks_out_the_traine
         try:
             time.sleep(1.0)
             under = chat_latencies(app, 18)  # every chat call answers: the flood takes no queue place
-            trainer = Caller(app.url)
-            trainer.client.headers["x-forwarded-for"] = TRAINER
-            markdown, _ = trainer("train_login", PASSWORD)  # another address: not locked out
+            trainer = Caller(app.url)  # from 127.0.0.1: another address, not locked out
+            markdown, _ = trainer("train_login", PASSWORD)
         finally:
             stop.set()
     flood_s = time.monotonic() - flood_started
@@ -121,7 +107,6 @@ def test_huge_histories_are_refused_at_once_and_chat_goes_on(app, capsys):
 
 def test_a_flood_of_new_sessions_stays_bounded_and_keeps_the_trainer_logged_in(app, capsys):
     trainer = Caller(app.url)
-    trainer.client.headers["x-forwarded-for"] = TRAINER
     trainer("train_login", PASSWORD)
     page_load = fn_index(app, "on_page_load")
     process = psutil.Process()
