@@ -176,6 +176,8 @@ def _random_config(rng: random.Random) -> TrainConfig | None:
         "eval_attention": EVAL_ATTENTION,
         "report_to": TRACKERS,
         "hub_model_id": ("me/chat", None),
+        # A dataset name is checked as a Hub id or a loader's name: random text is mostly refused.
+        "dataset_name": ("smangrul/MuDoConv", "me/my-dialogues", "json"),
         "lr_scheduler_type": ("linear", "cosine", "constant"),
     }
     texts = ("", "-x: ", "--num_beams 9 ", "chat bot's: ", "a=b", "runs/x y", "ünï ☃")
