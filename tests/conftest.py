@@ -47,6 +47,7 @@ SLOW_MODULES = {
     "test_browser_loop.py",  # issue 13's loop: chat, correct, accept, retrain, compare, vote
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
     "test_browser_chat_state.py",  # saved chats' settings, the banner across two pages
+    "test_browser_journeys.py",  # issue 28's journeys (items 7-15), desktop and phone
     "test_attacks.py",
     "test_cpu_variants.py",
     "test_upload_limits.py",

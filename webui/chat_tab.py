@@ -144,6 +144,10 @@ JS = """
 """
 
 
+# Sends the message box's text, as the Send button does (the example event's last step).
+SEND_JS = "() => { document.querySelector('#chat-input .submit-button')?.click(); }"
+
+
 @dataclass
 class ChatParts:
     """What the rest of the app wires to: the chat and the model picker."""
@@ -230,11 +234,9 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                 ],
                 # The banner follows the model that wrote each reply (a swap on another page shows here).
                 additional_outputs=[meter, status, replies, written],
-                # Messages only: shown as buttons in the empty chat, labelled with their kind; a
-                # click sends it (the kind and context are set by pick_example below).
-                examples=[[message] for message, _, _ in chat_handlers.EXAMPLES],
-                example_labels=chat_handlers.EXAMPLE_LABELS,
-                run_examples_on_click=True,
+                # The examples are the chatbot's own (set below), not ChatInterface's: its click
+                # sends the message with whatever kind and context the page holds at that moment.
+                examples=None,
                 cache_examples=False,  # Spaces would otherwise run every example at start-up
                 # Not ChatInterface's own editing: it resends any edited message as the user's. The
                 # chatbot's edit event is wired below (a bot reply edited is a correction).
@@ -250,14 +252,28 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
     picker = _model_panel(engine, train, session, status)
     _feedback_events(chat, train, session, replies, note)
 
-    # An example sets its kind and context before its message goes out: this runs at once, while
-    # the chat's own example event first shows the message and then calls the model.
+    # An example is sent like a typed message, after its kind and context are set: a click puts the
+    # kind, context and message on the page, then presses Send. (ChatInterface's own example event
+    # read the kind and context in a race with the event that set them, and sent the old ones.)
+    chat.chatbot.examples = [
+        {"text": message, "display_text": label}
+        for (message, _, _), label in zip(chat_handlers.EXAMPLES, chat_handlers.EXAMPLE_LABELS, strict=True)
+    ]
+
     def pick_example(saved: dict, box: str, event: gr.SelectData):
-        return bot_identity.pick_example(saved, event.index, box)
+        index = event.index if isinstance(event.index, int) else -1
+        if not 0 <= index < len(chat_handlers.EXAMPLES):
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return *bot_identity.pick_example(saved, index, box), chat_handlers.EXAMPLES[index][0]
 
     chat.chatbot.example_select(
-        pick_example, [contexts, context], [kind, context, contexts], queue=False, show_progress="hidden", **PRIVATE
-    )
+        pick_example,
+        [contexts, context],
+        [kind, context, contexts, chat.textbox],
+        queue=False,
+        show_progress="hidden",
+        **PRIVATE,
+    ).success(None, js=SEND_JS, **PRIVATE)
     settings = [kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed]
     _saved_chat_events(chat, settings, contexts, written, [meter, replies, note])
     # .input, not .change: a saved chat's restored preset must not reset its restored beams etc.

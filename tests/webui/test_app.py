@@ -393,8 +393,11 @@ def test_blocks_wiring(engine):
     assert labels[:3] == ["The bot has a…", "Persona", "Preset"]
     assert chat.additional_inputs[0].choices == [tuple(c) for c in chat_handlers.KIND_CHOICES]
     assert chat.cache_examples is False and chat.api_visibility == "private"
-    assert chat.run_examples_on_click and not chat._additional_inputs_in_examples  # a click sends the example
-    assert [e["display_text"] for e in chat.examples_messages] == chat_handlers.EXAMPLE_LABELS
+    # The examples are the chatbot's (a click sets the kind and context, then sends: chat_tab.SEND_JS),
+    # not ChatInterface's, whose click sent the message with the kind and context the page had before.
+    assert not chat.examples_messages and not chat._additional_inputs_in_examples
+    assert [e["display_text"] for e in chat.chatbot.examples] == chat_handlers.EXAMPLE_LABELS
+    assert [e["text"] for e in chat.chatbot.examples] == [m for m, _, _ in chat_handlers.EXAMPLES]
     assert chat.textbox.label == "Message" and chat.textbox.elem_id == "chat-input"
     public = [d for d in demo.fns.values() if d.api_visibility == "public"]
     assert [d.api_name for d in public] == ["chat"]

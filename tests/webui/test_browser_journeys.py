@@ -1,0 +1,116 @@
+"""The journeys a new user found broken (issue 28, items 7-15), in a real browser (headless Debian
+chromium through Playwright) on a desktop (1366x900) and on a phone (390x844):
+
+- an example sends its own kind and context (the token meter counts that context, not the persona);
+- a refused login, a lockout, a refused Start or review action say why on the page, in the line
+  under the button (not a bare "Error" badge, not a toast under a line that says "Started run");
+- on a phone the message box and who the bot is are on the first screen, in the Chat and the
+  Compare tab; the win-rate table fits the screen;
+- the keyboard: a visible focus ring on every control, one Tab stop per radio group; text and
+  controls meet WCAG AA contrast (measured from the browser's computed styles); disabled buttons
+  look disabled; no status is an emoji alone;
+- a model swapped on another page: the picker follows and the chat says the model changed;
+- after a reload no saved chat looks open while the chat is a new one.
+
+Screenshots: in ``$PERSONA_CHAT_SCREENSHOTS`` if set, else a pytest temporary folder (printed).
+"""
+
+from __future__ import annotations
+
+import pytest
+from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
+from served_app import App
+
+from chat.engine import Conversation
+from webui import auth, chat_handlers
+
+pytestmark = needs_browser
+
+PASSWORD = "browser-journeys-password"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    app = App(tmp_path_factory.mktemp("browser-journeys"), auth.AuthConfig(password=PASSWORD))
+    yield app
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory, request):
+    folder = screenshot_folder(tmp_path_factory, "screenshots")
+    yield folder
+    shout(request, f"journeys browser screenshots: {folder}")
+
+
+@pytest.fixture(params=list(VIEWPORTS))
+def open_page(request, served, browser, shots):
+    """Opens pages at the desktop or phone size, each in its own browser context (local storage)."""
+    contexts = []
+
+    def open_page(name: str = "a"):
+        context = browser.new_context(viewport=VIEWPORTS[request.param])
+        contexts.append(context)
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(served.url)
+        expect(page.locator("#chat-input textarea")).to_be_visible()
+        page.size = request.param
+        page.shot = lambda shot: page.screenshot(
+            path=shots / f"journey-{shot}-{name}-{request.param}.png", full_page=True
+        )
+        page.first_screen = lambda shot: page.screenshot(path=shots / f"journey-{shot}-{name}-{request.param}.png")
+        return page
+
+    yield open_page
+    for context in contexts:
+        context.close()
+
+
+def bot_messages(page, where: str = "#chat-log"):
+    return page.locator(f"{where} [data-testid='bot']")
+
+
+def wait_for_reply(page, count: int) -> str:
+    expect(bot_messages(page)).to_have_count(count)
+    expect(page.locator("#chat-input button.stop-button")).to_have_count(0)  # streaming is over
+    reply = bot_messages(page).last.inner_text().strip()
+    assert reply and "Nothing was sent to the model" not in reply
+    return reply
+
+
+def send(page, text: str) -> str:
+    before = bot_messages(page).count()
+    box = page.get_by_role("textbox", name="Message").first
+    box.fill(text)
+    box.press("Enter")
+    return wait_for_reply(page, before + 1)
+
+
+def login(page) -> None:
+    page.get_by_role("tab", name="Train").click()
+    page.locator("#train-password input").fill(PASSWORD)
+    page.locator("#train-login").click()
+    expect(page.locator("#train-auth")).to_contain_text("Logged in")
+
+
+# --------------------------------------------------------------------------- item 7: examples
+
+
+def test_each_example_sends_its_own_kind_and_context(open_page, served):
+    page = open_page()
+    meter = page.locator("#token-meter")
+    for (message, kind, context), label in zip(chat_handlers.EXAMPLES, chat_handlers.EXAMPLE_LABELS, strict=True):
+        if bot_messages(page).count():
+            page.get_by_role("button", name="New chat").click()  # the examples show in an empty chat
+            expect(bot_messages(page)).to_have_count(0)
+        page.get_by_role("button", name=label).click()
+        wait_for_reply(page, 1)
+        expect(page.locator("[data-testid='user']")).to_have_text([message])  # sent once
+        expect(page.locator("#chat-input textarea")).to_have_value("")  # and not left in the box
+        radio = next(shown for shown, value in chat_handlers.KIND_CHOICES if value == kind)
+        expect(page.get_by_role("radio", name=radio)).to_be_checked()
+        # what the model was given: the meter counts the example's context (Topic's 9, not the persona's 47)
+        _, budget = served.engine.build_input(Conversation(kind, context, [message]))
+        expect(meter).to_contain_text(f"context {budget.context_tokens} + ")
+    page.shot("7-last-example")
