@@ -8,6 +8,7 @@ the form's source prefix exists (the encoder text shown uses it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import gradio as gr
 
@@ -87,24 +88,36 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
         pending = train.feedback_store().counts()["pending"]
         return label, counts, rows, newest, gr.update(value=f"Accept all pending ({pending})")
 
-    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, evt: gr.SelectData):
+    # A refusal raises gr.Error (API clients get it) and is noted for the page: each event's
+    # .failure step shows it in the panel's note (or the row's details), where the user looks.
+    noted, show_refusal = train.refusals.noted, train.refusals.show
+
+    @noted
+    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, evt: gr.SelectData, request: gr.Request):
         row_id = (evt.row_value or [None])[0]
         return handlers.details(train, token, profile, row_id, prefix)
 
     def mark(status):
-        def handler(token: str | None, profile: gr.OAuthProfile | None, row_id):
+        @noted
+        def handler(token: str | None, profile: gr.OAuthProfile | None, row_id, request: gr.Request):
             return handlers.set_status(train, token, profile, row_id, status)
 
         return handler
 
-    def save(token: str | None, profile: gr.OAuthProfile | None, row_id, response):
+    @noted
+    def save(token: str | None, profile: gr.OAuthProfile | None, row_id, response, request: gr.Request):
         return handlers.save_edit(train, token, profile, row_id, response)
 
-    def accept_all(token: str | None, profile: gr.OAuthProfile | None, up_to):
+    @noted
+    def accept_all(token: str | None, profile: gr.OAuthProfile | None, up_to, request: gr.Request):
         return handlers.accept_all(train, token, profile, up_to)
 
-    def export(token: str | None, profile: gr.OAuthProfile | None):
-        return gr.update(value=handlers.export_file(train, token, profile, upload_folder()), visible=True)
+    @noted
+    def export(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request):
+        path = handlers.export_file(train, token, profile, upload_folder())
+        rows = sum(1 for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip())
+        note = f"Exported {rows} accepted row{'s' if rows != 1 else ''}: download the file below."
+        return gr.update(value=path, visible=True), note
 
     view = [parts.panel, parts.counts, parts.table, parts.newest, parts.accept_all]
     quick = {"queue": False, "show_progress": "hidden", **PRIVATE}
@@ -113,7 +126,7 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
         trigger(redraw, [session, parts.status], view, api_name=name, **quick)
     parts.table.select(
         select, [session, source_prefix], [parts.selected, parts.detail, parts.response], api_name="review_row", **quick
-    )
+    ).failure(show_refusal, None, parts.detail, **quick)
     one = {"concurrency_limit": 1, "concurrency_id": "review", **PRIVATE}  # one review change at a time
     row = [session, parts.selected]
     events = [
@@ -122,6 +135,7 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
         parts.save.click(save, [*row, parts.response], parts.note, api_name="review_save", **one),
         parts.accept_all.click(accept_all, [session, parts.newest], parts.note, api_name="review_accept_all", **one),
     ]
+    events.append(parts.export.click(export, session, [parts.download, parts.note], api_name="review_export", **one))
     for event in events:
         event.success(redraw, [session, parts.status], view, **quick)
-    parts.export.click(export, session, parts.download, api_name="review_export", **one)
+        event.failure(show_refusal, None, parts.note, **quick)

@@ -42,6 +42,7 @@ from finetune.jobs.uploads import ensure_room, validate_upload
 from finetune.memory import gpu as gpu_info
 from webui import train_preflight
 from webui.auth import AuthConfig, AuthError, require, who
+from webui.refusals import Refusals
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class TrainTab:
     incoming: Path | None = None  # where gradio puts uploaded files (None: gradio's upload folder)
     serving: Callable[[], str] | None = None  # the chat's served model (app.py sets it), to continue from
     feedback: FeedbackStore | None = None  # the chat's feedback store (opened on first use)
+    refusals: Refusals = field(default_factory=Refusals)  # each page's last refusal, for the line it shows in
 
     @classmethod
     def create(cls, auth: AuthConfig | None = None, runs_root: Path | str | None = None) -> TrainTab:

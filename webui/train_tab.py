@@ -46,7 +46,7 @@ CSS = """<style>
 #   the reader has not scrolled up to read something.
 PAGE_JS = """
 const live = (tries) => {
-  const found = ["train-run", "train-action"].map((id) => document.getElementById(id));
+  const found = ["train-run", "train-action", "train-login-note"].map((id) => document.getElementById(id));
   found.forEach((el) => { if (el) { el.setAttribute("role", "status"); el.setAttribute("aria-live", "polite"); } });
   if (found.some((el) => !el) && tries > 0) setTimeout(() => live(tries - 1), 200);
 };
@@ -110,6 +110,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         )
         login = gr.Button("Log in", scale=1, elem_id="train-login")
         logout = gr.Button("Log out", scale=1)
+    # Why a login was refused ("Wrong password.", how long a lockout lasts), where the user looks.
+    login_note = gr.Markdown(elem_id="train-login-note")
     if train.auth.oauth:
         gr.LoginButton()
     gr.Markdown(handlers.hardware_note(train.gpus))
@@ -347,10 +349,14 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     unlocked += [start, stop, resume, push_repo, push_private, push]
 
     # ---- events: each handler checks the login itself (train_handlers / webui.auth)
+    # A refusal raises gr.Error (what API clients get) and is noted for the page: each event's
+    # .failure step shows it in the line under its buttons (webui.refusals).
+    noted, show_refusal = train.refusals.noted, train.refusals.show
+
+    @noted
     def do_login(token, typed, request: gr.Request):
         with handlers.explained("log in"):
-            token, message = auth.login(train.auth, typed, train.auth.client(request))
-        gr.Info(message)
+            token, _ = auth.login(train.auth, typed, train.auth.client(request))
         return token, auth.login_markdown(train.auth, token), ""
 
     def do_logout(token):
@@ -363,28 +369,33 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
 
         return handler
 
-    def do_start(token: str | None, profile: gr.OAuthProfile | None, current, **values):
+    @noted
+    def do_start(token: str | None, profile: gr.OAuthProfile | None, current, request: gr.Request, **values):
         return handlers.start_run(train, token, profile, current, values)
 
     def do_show(current, **values):
         return handlers.show_command(train, current, values)
 
-    def do_stop(token: str | None, profile: gr.OAuthProfile | None):
+    @noted
+    def do_stop(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request):
         return handlers.stop_run(train, token, profile)
 
-    def do_resume(token: str | None, profile: gr.OAuthProfile | None):
+    @noted
+    def do_resume(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request):
         return handlers.resume_run(train, token, profile)
 
-    def do_push(token: str | None, profile: gr.OAuthProfile | None, repo, is_private):
+    @noted
+    def do_push(token: str | None, profile: gr.OAuthProfile | None, repo, is_private, request: gr.Request):
         return handlers.push_run(train, token, profile, repo, is_private)
 
     one_at_a_time = {"concurrency_limit": 1, "concurrency_id": "train"}
+    quiet = {"queue": False, "show_progress": "hidden", **PRIVATE}
     for trigger in (login.click, password.submit):
         # Not queued: a flood of wrong passwords takes no place in the queue that chat replies use,
         # and a refused login returns at once (auth.Throttle), holding nothing.
-        trigger(
-            do_login, [session, password], [session, auth_md, password], api_name="train_login", queue=False, **PRIVATE
-        )
+        attempt = trigger(do_login, [session, password], [session, auth_md, password], api_name="train_login", **quiet)
+        attempt.success(lambda: "", None, login_note, **quiet)
+        attempt.failure(show_refusal, None, login_note, **quiet)
     logout.click(do_logout, session, [session, auth_md], api_name="train_logout", queue=False, **PRIVATE)
     for file, which in ((train_file, "train"), (val_file, "validation")):
         for trigger in (file.upload, file.clear):
@@ -412,6 +423,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             do_push, [session, push_repo, push_private], action, api_name="train_push", **one_at_a_time, **PRIVATE
         ),
     ]
+    for event in actions:  # a refusal replaces what the last action said ("Started run …")
+        event.failure(show_refusal, None, action, **quiet)
     show.click(lambda: gr.update(visible=True), None, command, queue=False, show_progress="hidden", **PRIVATE).then(
         do_show, uploads, command, inputs_kwargs=form_inputs, api_name="train_command", queue=False, **PRIVATE
     )

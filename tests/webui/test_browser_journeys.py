@@ -17,6 +17,8 @@ Screenshots: in ``$PERSONA_CHAT_SCREENSHOTS`` if set, else a pytest temporary fo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
 from served_app import App
@@ -114,3 +116,30 @@ def test_each_example_sends_its_own_kind_and_context(open_page, served):
         _, budget = served.engine.build_input(Conversation(kind, context, [message]))
         expect(meter).to_contain_text(f"context {budget.context_tokens} + ")
     page.shot("7-last-example")
+
+
+# --------------------------------------------------------------------------- item 8: refusals on the page
+
+
+def test_a_wrong_password_and_a_lockout_say_why_under_the_login(open_page, served):
+    page = open_page()
+    page.get_by_role("tab", name="Train").click()
+    note = page.locator("#train-login-note")
+    try:
+        for _ in range(auth.MAX_FAILURES):
+            page.locator("#train-password input").fill("not the password")
+            page.locator("#train-login").click()
+            expect(note).to_contain_text("Wrong password.")
+            page.locator("#train-password input").fill("")
+        page.locator("#train-password input").fill(PASSWORD)  # even the right one, while locked out
+        page.locator("#train-password input").press("Enter")
+        expect(note).to_contain_text(re.compile(r"Too many wrong passwords from your address: try again in \d+ s"))
+        assert note.get_attribute("role") == "status"  # announced by screen readers
+        assert not page.locator("#train-auth .wrap.error, #train-login-note .wrap.error").count()
+        page.first_screen("8-lockout")
+    finally:
+        served.tab.auth.throttle.succeeded("127.0.0.1")  # the next viewport's page logs in
+    page.locator("#train-password input").fill(PASSWORD)
+    page.locator("#train-login").click()
+    expect(page.locator("#train-auth")).to_contain_text("Logged in")
+    expect(note).to_have_text("")  # the refusal is gone once it no longer holds
