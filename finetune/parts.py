@@ -177,12 +177,43 @@ def check_compiler() -> None:
         )
 
 
+# DeepSpeed's CPU ops, built (compiled with the C++ compiler) by the first CPU run on a machine:
+# the shared-memory communication op when the processes connect, CPU Adam when the engine is made.
+CPU_OPS = {"connect": "ShareMemCommBuilder", "prepare": "CPUAdamBuilder"}
+
+
+def cpu_op_unbuilt(step: str) -> bool:
+    """Will DeepSpeed build its CPU op of ``step`` ("connect" or "prepare") now? True on a CPU run
+    when that op is neither installed prebuilt nor in torch's extension cache (the first run on
+    this machine: the build takes about a minute on 2 cores, the phase line should say so)."""
+    if not deepspeed_on_cpu():
+        return False
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        from torch.utils.cpp_extension import _get_build_directory  # where torch keeps built ops
+
+        builder = get_accelerator().create_op_builder(CPU_OPS[step])
+        if builder is None or installed_ops.get(builder.NAME):
+            return False
+        return not (Path(_get_build_directory(builder.name, verbose=False)) / f"{builder.name}.so").is_file()
+    except Exception:  # noqa: BLE001 - only the wording of a phase line depends on it
+        return False
+
+
+def connecting_phase() -> str:
+    """The ``phase`` event's text while the processes connect (the accelerator is made)."""
+    if cpu_op_unbuilt("connect"):
+        return "building DeepSpeed's CPU communication op (the first CPU run on this machine; about a minute)"
+    return "connecting the processes"
+
+
 def preparing_phase(accelerator) -> str:
     """The ``phase`` event's text while accelerator.prepare runs."""
     if accelerator.state.deepspeed_plugin is None:
         return "preparing the model"
-    if not torch.cuda.is_available():
-        return "preparing DeepSpeed (builds its CPU op the first time)"
+    if cpu_op_unbuilt("prepare"):
+        return "building DeepSpeed's CPU Adam op (the first CPU run on this machine; about a minute)"
     return "preparing DeepSpeed"
 
 

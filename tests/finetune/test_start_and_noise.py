@@ -10,10 +10,12 @@ import sys
 import time
 
 import pytest
+import torch
 from jobs_helpers import settled, spec, wait_for
 from test_jobs_status import failed_run
 
 from chat.layout import ROOT
+from finetune import parts
 from finetune.jobs.manager import RunManager
 from finetune.jobs.status import RunStatus, status_of
 from finetune.parts import TrainingError, check_compiler
@@ -21,9 +23,15 @@ from finetune.parts import TrainingError, check_compiler
 TINY = {"n_val": 8, "num_beams": 1, "val_min_target_length": 2, "logging_steps": 2}
 
 
-def test_real_run_writes_phases_and_a_quiet_log(tiny_path, roots):
+def test_real_run_writes_phases_and_a_quiet_log(tiny_path, roots, monkeypatch):
     runs, _ = roots
     manager = RunManager(runs)
+    # What the run's phases say depends on whether this machine has built DeepSpeed's CPU ops yet
+    # (the first CPU run builds them, about a minute): asked here, as the run's main process will.
+    with monkeypatch.context() as env:
+        env.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        connecting = parts.connecting_phase()
+        preparing = "building DeepSpeed's CPU Adam op" if parts.cpu_op_unbuilt("prepare") else "preparing DeepSpeed"
     run_id = manager.start(spec(**TINY, n_train=64, max_train_steps=4)).run_id
     status = wait_for(manager, run_id, settled)
     assert status.state == "finished", status.error or status.log_tail
@@ -32,14 +40,8 @@ def test_real_run_writes_phases_and_a_quiet_log(tiny_path, roots):
     names = [e["event"] for e in events]
     phases = [e["phase"] for e in events if e["event"] == "phase"]
     assert names.index("start") == len(phases)  # every phase comes before the start, once (main process)
-    assert phases == [
-        "loading the tokenizer",
-        "loading data",
-        "connecting the processes",
-        "tokenizing",
-        "loading the model",
-        "preparing DeepSpeed (builds its CPU op the first time)",
-    ]
+    assert phases[:5] == ["loading the tokenizer", "loading data", connecting, "tokenizing", "loading the model"]
+    assert len(phases) == 6 and phases[5].startswith(preparing), phases
     log = (run_dir / "train.log").read_text()
     assert log.count("Setting accelerator to CPU") <= 1, log
     assert "OMP_NUM_THREADS" not in log and "FutureWarning" not in log, log
@@ -160,3 +162,22 @@ def test_the_entry_point_lets_the_cuda_allocator_grow_segments_unless_configured
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage: python -m finetune" in proc.stdout  # the real CLI ran
     assert proc.stdout.strip().splitlines()[-1] == (preset or "expandable_segments:True")
+
+
+def test_the_phase_line_says_when_deepspeed_builds_its_cpu_ops(tmp_path, monkeypatch):
+    """The first CPU run on a machine spent ~55 s in "connecting the processes" while DeepSpeed
+    compiled its shared-memory op: the phase says what is really happening, and only then."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty extension cache: nothing built
+    if torch.cuda.is_available():
+        pytest.skip("DeepSpeed builds these ops on CPU runs only")
+    assert parts.cpu_op_unbuilt("connect") and parts.cpu_op_unbuilt("prepare")
+    assert parts.connecting_phase().startswith("building DeepSpeed's CPU communication op")
+    for name in ("deepspeed_shm_comm", "cpu_adam"):  # what torch's extension cache holds once they are built
+        (tmp_path / name).mkdir(exist_ok=True)  # (asking made the folder, as the build would)
+        (tmp_path / name / f"{name}.so").write_bytes(b"")
+    assert not parts.cpu_op_unbuilt("connect") and not parts.cpu_op_unbuilt("prepare")
+    assert parts.connecting_phase() == "connecting the processes"
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")  # not a DeepSpeed run: nothing to build
+    (tmp_path / "cpu_adam" / "cpu_adam.so").unlink()
+    assert not parts.cpu_op_unbuilt("prepare")
