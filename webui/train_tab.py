@@ -177,25 +177,15 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         preview = gr.Markdown(elem_id="train-preview", visible=False)  # an upload's rows, or why it was refused
         with gr.Row(elem_classes="train-pair"):
             form["n_train"] = gr.Number(
-                defaults["n_train"],
-                precision=0,
-                minimum=0,
-                label="Train rows (0 = all)",
-                elem_id="train-n-train",
-                **locked,
+                defaults["n_train"], precision=0, label="Train rows (0 = all)", elem_id="train-n-train", **locked
             )
             form["n_val"] = gr.Number(
-                defaults["n_val"],
-                precision=0,
-                minimum=0,
-                label="Validation rows (0 = all)",
-                elem_id="train-n-val",
-                **locked,
+                defaults["n_val"], precision=0, label="Validation rows (0 = all)", elem_id="train-n-val", **locked
             )
             form["num_train_epochs"] = gr.Number(
-                defaults["num_train_epochs"], precision=0, minimum=1, label="Epochs", elem_id="train-epochs", **locked
+                defaults["num_train_epochs"], precision=0, label="Epochs", elem_id="train-epochs", **locked
             )
-            form["learning_rate"] = gr.Number(defaults["learning_rate"], minimum=0, label="Learning rate", **locked)
+            form["learning_rate"] = gr.Number(defaults["learning_rate"], label="Learning rate", **locked)
         with gr.Accordion("More settings: batches, lengths, strategy, logging, Hub", open=False, elem_id="train-more"):
             with gr.Row(elem_classes="train-pair"):
                 form["per_device_train_batch_size"] = gr.Textbox(
@@ -207,13 +197,13 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                     **locked,
                 )
                 form["per_device_eval_batch_size"] = gr.Number(
-                    defaults["per_device_eval_batch_size"], precision=0, minimum=1, label="Eval batch", **locked
+                    defaults["per_device_eval_batch_size"], precision=0, label="Eval batch", **locked
                 )
                 form["max_source_length"] = gr.Number(
-                    defaults["max_source_length"], precision=0, minimum=1, label="Max source tokens", **locked
+                    defaults["max_source_length"], precision=0, label="Max source tokens", **locked
                 )
                 form["max_target_length"] = gr.Number(
-                    defaults["max_target_length"], precision=0, minimum=1, label="Max target tokens", **locked
+                    defaults["max_target_length"], precision=0, label="Max target tokens", **locked
                 )
                 form["source_prefix"] = gr.Textbox(
                     defaults["source_prefix"], label="Source prefix", max_length=100, **locked
@@ -249,20 +239,18 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 form["checkpointing_steps"] = gr.Number(
                     defaults["checkpointing_steps"],
                     precision=0,
-                    minimum=0,
                     label="Checkpoint every N steps (0 = each epoch)",
                     **locked,
                 )
                 form["logging_steps"] = gr.Number(
                     defaults["logging_steps"],
                     precision=0,
-                    minimum=1,
                     label="Log loss every N steps",
                     elem_id="train-logging",
                     **locked,
                 )
                 form["num_beams"] = gr.Number(
-                    defaults["num_beams"], precision=0, minimum=1, label="Eval beams", elem_id="train-beams", **locked
+                    defaults["num_beams"], precision=0, label="Eval beams", elem_id="train-beams", **locked
                 )
             with gr.Row(elem_classes="train-pair"):
                 form["push_to_hub"] = gr.Checkbox(defaults["push_to_hub"], label="Push to the Hub when done", **locked)
@@ -275,6 +263,10 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 )
                 form["hub_private"] = gr.Checkbox(defaults["hub_private"], label="Private repo", **locked)
     form_inputs = handlers.form_inputs(form)  # passed by name (inputs_kwargs), in FORM_FIELDS order for API clients
+    # The numbers have no gradio minimum: gradio's own check refused with "Value -1 is less than minimum
+    # value 1." (no field named) and a traceback in the log. The run's spec checks every value and
+    # its messages name the field as the form labels it (train_handlers.in_form_words).
+    train.form_labels = {name: component.label for name, component in form.items()}
 
     # What the run will need (memory per GPU, time per epoch), and why Start will refuse a batch too big.
     estimate = gr.Markdown(

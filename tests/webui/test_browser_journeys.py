@@ -18,6 +18,7 @@ Screenshots: in ``$PERSONA_CHAT_SCREENSHOTS`` if set, else a pytest temporary fo
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
@@ -143,3 +144,45 @@ def test_a_wrong_password_and_a_lockout_say_why_under_the_login(open_page, serve
     page.locator("#train-login").click()
     expect(page.locator("#train-auth")).to_contain_text("Logged in")
     expect(note).to_have_text("")  # the refusal is gone once it no longer holds
+
+
+def test_a_refused_start_says_why_in_the_action_line(open_page, served, capfd):
+    """Bad numbers named the CLI's flag ("learning_rate is required") or nothing at all (gradio's own
+    "Value -1 is less than minimum value 1." with a 27-line traceback in the log); a Start refused
+    while a run went on showed a toast under a line that still said "Started run …"."""
+    page = open_page()
+    login(page)
+    action, command = page.locator("#train-action"), page.locator("#train-command")
+    rate, epochs = (page.get_by_role("spinbutton", name=name) for name in ("Learning rate", "Epochs"))
+    rate.fill("")
+    rate.press("Tab")
+    page.locator("#train-start").click()
+    expect(action).to_contain_text("Cannot start a run: Learning rate is required")
+    rate.fill("0.001")
+    epochs.fill("-1")
+    epochs.press("Tab")
+    page.locator("#train-start").click()
+    expect(action).to_contain_text("Cannot start a run: Epochs must be >= 1, got -1")
+    page.locator("#train-show-command").click()
+    expect(command).to_contain_text("# no command: Epochs must be >= 1, got -1")
+    page.first_screen("12-refused-start")
+    assert "Traceback" not in capfd.readouterr().err
+    if page.size == "phone":
+        return  # one real run is enough: the line is the same
+    epochs.fill("1")
+    page.locator("#train-more").get_by_text("More settings").click()
+    for elem_id, value in (("train-n-train", 64), ("train-n-val", 8), ("train-beams", 1)):
+        page.locator(f"#{elem_id} input").fill(str(value))
+    page.locator("#train-start").click()
+    expect(action).to_contain_text("Started run")
+    run_id = served.tab.manager.runs()[0]
+    try:
+        page.locator("#train-start").click()  # a second run while the first goes on: refused, and said so
+        expect(action).to_contain_text(f"Cannot start a run: run {run_id} is still running")
+        expect(action).not_to_contain_text("Started run")
+    finally:
+        served.tab.manager.stop(run_id)
+        deadline = time.monotonic() + 120
+        while served.tab.manager.status(run_id).state in ("running", "stopping"):
+            assert time.monotonic() < deadline, served.tab.manager.status(run_id)
+            time.sleep(1)
