@@ -17,6 +17,7 @@ import time
 import warnings
 
 import gradio as gr
+import transformers
 
 from chat.engine import ChatEngine
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
@@ -142,17 +143,30 @@ def __getattr__(name: str):
     global _demo
     if name == "demo":
         if _demo is None:
-            _demo = build_demo(ChatEngine.start())
+            _demo = build_demo(start_engine())
             web_uploads.start_cleaner()
         return _demo
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def start_engine() -> ChatEngine:
+    """The served model, said in one line: what serves and how fast it was ready, or (offline)
+    why the demo model serves instead. No progress bars: a model on disk loads in a second."""
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights: 100%|██████████|" per load
     started = time.perf_counter()
     engine = ChatEngine.start()
-    log.info("%s (model ready in %.1f s)", engine.status, time.perf_counter() - started)
+    ready = f"(model ready in {time.perf_counter() - started:.1f} s)"
+    if engine.fallback:
+        log.warning("%s %s", engine.fallback, ready)
+    else:
+        log.info("%s %s", engine.status, ready)
+    return engine
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up requests, one line each
+    engine = start_engine()
     demo = build_demo(engine)
     web_uploads.start_cleaner()  # gradio's upload folder and the app's copies, every 10 s
     demo.launch(**LAUNCH_OPTIONS)  # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself
