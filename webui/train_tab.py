@@ -161,6 +161,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 elem_id="train-feedback-ratio",
                 **locked,
             )
+        # What the share makes of the accepted rows in an epoch (how many times each is repeated).
+        mix = gr.Markdown(visible=defaults["use_feedback"], elem_id="train-feedback-mix")
         with gr.Row(visible=False) as upload_row:
             train_file = gr.File(
                 label="Training file (.jsonl/.json/.csv/.parquet)",
@@ -432,6 +434,19 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         [form["use_feedback"], form["model_name_or_path"]],
         [form["feedback_ratio"], form["model_name_or_path"], form["learning_rate"]],
         queue=False,
+        **PRIVATE,
+    )
+    mix_fields = [form[name] for name in ("use_feedback", "data_source", "n_train", "feedback_ratio")]
+    gr.on(
+        [field.change for field in mix_fields],
+        lambda checked, source, n_train, ratio: gr.update(
+            visible=bool(checked),
+            value=preflight.feedback_line(train.feedback_store(), source, n_train, ratio) if checked else "",
+        ),
+        mix_fields,
+        mix,
+        queue=False,
+        show_progress="hidden",
         **PRIVATE,
     )
     review_tab.connect(review, train, session, form["source_prefix"])

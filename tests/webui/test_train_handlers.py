@@ -795,3 +795,34 @@ def test_refusals_name_the_settings_as_the_form_labels_them(tab):
         assert words == "n_train_extra and Train rows"  # whole names only
     finally:
         tab.form_labels = {}
+
+
+def test_the_feedback_share_line_says_what_the_mix_makes_of_the_rows(tab):
+    """Three accepted rows at the default share became ~1,400 of ~2,800 training rows with no hint:
+    the line under the share says so, as finetune.data.mix really draws them (checked against it)."""
+    from finetune.data import load_raw, mix
+
+    store = tab.feedback_store()
+    assert "No accepted chat feedback yet" in train_preflight.feedback_line(store, "sample", 0, 0.5)
+    for i, rating in enumerate(("correction", "like", "correction", "dislike")):  # a dislike is not trained on
+        store.add(
+            kind="none",
+            context="",
+            turns=[f"hello {i}"],
+            response=f"hi there number {i}!",
+            rating=rating,
+            visitor="trainer:password",
+            status="accepted",
+        )
+    line = train_preflight.feedback_line(store, "sample", 0, 0.5)
+    base = load_raw(TrainConfig(dataset_name="sample"))["train"]
+    feedback = base.select(range(3))  # three rows, as the export makes of the three trained ones
+    mixed = len(mix(base, feedback, 0.5, seed=42))
+    found = re.search(r"each epoch ≈ ([\d,]+) rows, ([\d,]+) of them feedback: each accepted row ≈ ([\d,]+)×", line)
+    epoch, drawn, times = (int(n.replace(",", "")) for n in found.groups())
+    assert "3 accepted rows at a share of 0.5" in line and abs(epoch - mixed) / mixed < 0.02, (line, mixed)
+    assert drawn == round(epoch / 2) and times == round(drawn / 3) > 400
+    assert "A share near 0.0021" in line  # the rows' own share, where each is seen about once
+    assert "3 accepted rows, trained on alone" in train_preflight.feedback_line(store, "sample", 0, 1)
+    assert "depends on the dataset's size" in train_preflight.feedback_line(store, "hub", 0, 0.5)
+    assert "each epoch ≈ 200 rows" in train_preflight.feedback_line(store, "sample", 100, 0.5)  # n_train rows
