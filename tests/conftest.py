@@ -59,6 +59,8 @@ SLOW_TESTS = {
     "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)
     "test_32_clients_rating_at_once_each_find_their_row_exactly_once",
     "test_compare_through_the_launched_app",  # an app start-up
+    "test_rescoring_with_the_runs_own_settings_gives_back_its_figure",  # an evaluation of the demo model
+    "test_rescoring_with_the_apps_settings_records_the_figure_and_its_measure",  # (~40 s each on 2 cores)
 }
 
 
