@@ -383,7 +383,7 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
                 label="…or a Hub model id", placeholder="user/my-blenderbot-chat", scale=2, max_length=200
             )
         # The picked model's BLEU by kind (and on held-out chat feedback), when it was saved with them.
-        scores = gr.Markdown(chat_handlers.bleu_note(picker.value), elem_id="model-bleu")
+        scores = gr.Markdown(chat_handlers.bleu_note(picker.value, engine.current.name), elem_id="model-bleu")
         with gr.Row():
             load = gr.Button("Load", variant="primary", elem_id="model-load")
             refresh = gr.Button("Refresh")
@@ -424,7 +424,7 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
     def picked(choice: str | None) -> str:
         # Only a listed model's results are read (the value comes from the browser).
         listed = {spec for _, spec in chat_handlers.picker_choices(runs, current=engine.current.name)}
-        return chat_handlers.bleu_note(choice) if choice in listed else ""
+        return chat_handlers.bleu_note(choice, serving=engine.current.name) if choice in listed else ""
 
     picker.change(picked, picker, scores, queue=False, show_progress="hidden", **PRIVATE)
     refresh.click(

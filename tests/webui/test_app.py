@@ -259,7 +259,7 @@ def test_model_choices_lists_base_demo_and_finished_runs_newest_first(tmp_path):
     assert served[0] == ("user/other (serving)", "user/other") and len(served) == 5
     assert chat_handlers.picker_choices(tmp_path / "missing", base="b/base", current=str(DEMO_DIR)) == [
         ("b/base (base model)", "b/base"),
-        ("demo model (tiny, bundled) · BLEU 60.0", str(DEMO_DIR)),  # its all_results.json
+        (f"demo model (tiny, bundled) · BLEU {chat_handlers.model_bleu(str(DEMO_DIR)):.1f}", str(DEMO_DIR)),
     ]
 
 
@@ -359,19 +359,32 @@ def test_load_model_keeps_serving_on_failure(fresh_engine, tiny_path, tmp_path):
 
 
 def test_a_worse_model_needs_a_second_load(fresh_engine, tiny_path, tmp_path):
-    """The demo model scored BLEU ~60 on the sample; a run that scored less is loaded only when asked twice."""
+    """A run that scored less than the serving demo model, measured the same way, is loaded only when
+    asked twice; one measured another way is not compared (finetune.measure)."""
     runs = tmp_path / "runs"
     weak = runs / "weak" / "final"
     shutil.copytree(tiny_path, weak)
-    (weak / "all_results.json").write_text('{"eval_bleu": 1.7}')
+    demo = json.loads((DEMO_DIR / "all_results.json").read_text())
+    (weak / "all_results.json").write_text(json.dumps({"eval_bleu": 1.7, "eval_measure": demo["eval_measure"]}))
     labels = dict((spec, label) for label, spec in chat_handlers.picker_choices(runs, base="b/base"))
-    assert "BLEU 1.7" in labels[str(weak)] and "BLEU 60.0" in labels[str(DEMO_DIR)]  # every local model shows it
+    served = f"{demo['eval_bleu']:.1f}"
+    assert "BLEU 1.7" in labels[str(weak)] and f"BLEU {served}" in labels[str(DEMO_DIR)]  # every local model's
     before = fresh_engine.current
     ((note, pending),) = list(chat_handlers.load_model(fresh_engine, str(weak), "", runs))
-    assert "BLEU 1.7" in note and "below the serving model's 60.0" in note and pending == str(weak)
+    assert "BLEU 1.7" in note and f"below the serving model's {served}" in note and pending == str(weak)
+    assert "(both on all of the sample's validation split; beams 4, length 20-64" in note
     assert fresh_engine.current is before
     steps = list(chat_handlers.load_model(fresh_engine, str(weak), "", runs, confirmed=pending))
     assert steps[-1][0].startswith("✅ Now serving") and fresh_engine.current.name == str(weak)
+    # Measured another way (a minimum length of 1): not compared, loaded at once, and said so.
+    fresh_engine.swap(str(DEMO_DIR))
+    other = {**demo["eval_measure"], "val_min_target_length": 1}
+    (weak / "all_results.json").write_text(json.dumps({"eval_bleu": 1.7, "eval_measure": other}))
+    labels = dict((spec, label) for label, spec in chat_handlers.picker_choices(runs, current=str(DEMO_DIR)))
+    assert labels[str(weak)].startswith("weak/final · BLEU 1.7 (measured otherwise) · ")
+    steps = list(chat_handlers.load_model(fresh_engine, str(weak), "", runs))
+    assert steps[-1][0].startswith("✅ Now serving weak/final. (Its BLEU 1.7 and the previous model's")
+    assert "measured differently" in steps[-1][0] and fresh_engine.current.name == str(weak)
 
 
 # --------------------------------------------------------------------------- app.py and README

@@ -264,8 +264,9 @@ def test_model_names_shown_in_the_chat_are_not_server_paths(demo_model, tmp_path
     choices = chat_handlers.picker_choices(tmp_path / "runs", base=base, current=str(tmp_path / "gone" / "final"))
     labels = [label for label, _ in choices]
     assert [spec for _, spec in choices] == [str(tmp_path / "gone" / "final"), base, str(DEMO_DIR), str(run)]
-    assert labels[:3] == ["gone/final (serving)", "base-bot (base model)", "demo model (tiny, bundled) · BLEU 60.0"]
-    assert labels[3].startswith("my-run/final · BLEU 60.0 · ")
+    bleu = f"BLEU {chat_handlers.model_bleu(str(DEMO_DIR)):.1f}"
+    assert labels[:3] == ["gone/final (serving)", "base-bot (base model)", f"demo model (tiny, bundled) · {bleu}"]
+    assert labels[3].startswith(f"my-run/final · {bleu} · ")
     assert not any(str(tmp_path) in label or str(DEMO_DIR) in label for label in labels)
     engine = ChatEngine(demo_model, "serving demo")
     steps = list(chat_handlers.load_model(engine, str(run), "", tmp_path / "runs"))
