@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from chat.engine import MAX_MESSAGE_CHARS, ChatEngine
-from webui import auth, bot_identity, chat_handlers, feedback_handlers, saved_chats
+from webui import auth, bot_identity, chat_handlers, feedback_handlers, model_scores, saved_chats
 from webui.train_handlers import TrainTab
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: handlers that change things check the login
@@ -156,9 +156,12 @@ class ChatParts:
     picker: gr.Dropdown
 
 
-def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status: gr.Markdown) -> ChatParts:
+def build(
+    engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status: gr.Markdown, browser_key: str | None = None
+) -> ChatParts:
     """The tab's components and events (call inside ``gr.Tab``). ``status`` is the page's
-    serving banner, which a model swap updates."""
+    serving banner, which a model swap updates; ``browser_key`` encrypts the saved chats in the
+    browser (webui.server_state: kept across restarts; None: gradio's own, new at each start)."""
     # The chat comes first (on a phone it is the first thing under the tabs); who the bot is and
     # the generation settings follow it (on the right on a wide screen).
     with gr.Row(elem_id="chat-row"):
@@ -249,6 +252,11 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                 api_visibility="private",
             )
             note = gr.Markdown(feedback_handlers.HINT, elem_id="feedback-note")
+    # ChatInterface's store of the saved chats: its key and name were its own, the key new at each
+    # start and the name numbered after the components made before it; both kept across restarts.
+    chat.saved_conversations.storage_key = saved_chats.CHATS_STORAGE_KEY
+    if browser_key:
+        chat.saved_conversations.secret = browser_key
     picker = _model_panel(engine, train, session, status)
     _feedback_events(chat, train, session, replies, note)
 
@@ -275,7 +283,7 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
         **PRIVATE,
     ).success(None, js=SEND_JS, **PRIVATE)
     settings = [kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed]
-    _saved_chat_events(chat, settings, contexts, written, [meter, replies, note])
+    _saved_chat_events(chat, settings, contexts, written, [meter, replies, note], browser_key)
     # .input, not .change: a saved chat's restored preset must not reset its restored beams etc.
     preset.input(
         chat_handlers.preset_values, preset, [beams, sample, temperature, top_p, max_new_tokens], queue=False, **PRIVATE
@@ -284,7 +292,7 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
 
 
 def _saved_chat_events(
-    chat: gr.ChatInterface, settings: list, contexts: gr.State, written: gr.State, visit: list
+    chat: gr.ChatInterface, settings: list, contexts: gr.State, written: gr.State, visit: list, key: str | None
 ) -> None:
     """Who the bot was in each saved chat (webui.saved_chats), in a browser-stored value beside
     ChatInterface's saved chats: stored whenever those change (each save after a reply, retry,
@@ -293,7 +301,7 @@ def _saved_chat_events(
     ``written`` what the chat's latest reply was written with (the controls may have changed
     since); ``visit`` (meter, reply records, note) starts afresh with a new or a saved chat: it
     has no last reply to measure, nor replies of this visit to rate."""
-    store = gr.BrowserState({}, storage_key=saved_chats.STORAGE_KEY)
+    store = gr.BrowserState({}, storage_key=saved_chats.STORAGE_KEY, secret=key)
     kind, context = settings[:2]
 
     def remember(conversation_id, saved, stored, latest, *values):
@@ -383,7 +391,7 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
                 label="…or a Hub model id", placeholder="user/my-blenderbot-chat", scale=2, max_length=200
             )
         # The picked model's BLEU by kind (and on held-out chat feedback), when it was saved with them.
-        scores = gr.Markdown(chat_handlers.bleu_note(picker.value, engine.current.name), elem_id="model-bleu")
+        scores = gr.Markdown(model_scores.bleu_note(picker.value, engine.current.name), elem_id="model-bleu")
         with gr.Row():
             load = gr.Button("Load", variant="primary", elem_id="model-load")
             refresh = gr.Button("Refresh")
@@ -424,9 +432,14 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
     def picked(choice: str | None) -> str:
         # Only a listed model's results are read (the value comes from the browser).
         listed = {spec for _, spec in chat_handlers.picker_choices(runs, current=engine.current.name)}
-        return chat_handlers.bleu_note(choice, serving=engine.current.name) if choice in listed else ""
+        return model_scores.bleu_note(choice, serving=engine.current.name) if choice in listed else ""
 
     picker.change(picked, picker, scores, queue=False, show_progress="hidden", **PRIVATE)
+    # The banner changes when this page learns of another model (a reply written by it, opening the
+    # tab, a load): the list then shows the model serving now (it kept the one served when drawn).
+    status.change(
+        lambda: chat_handlers.refresh_models(engine, runs), None, picker, queue=False, show_progress="hidden", **PRIVATE
+    )
     refresh.click(
         lambda: chat_handlers.refresh_models(engine, runs),
         None,
