@@ -16,6 +16,8 @@ def _isolated_cache(tmp_path_factory):
     """Build presets into a fresh cache so the tests exercise the build itself."""
     cache = tmp_path_factory.mktemp("persona-chat-cache")
     os.environ["PERSONA_CHAT_CACHE"] = str(cache)
+    # The app's state (browser-state key, the served model's choice: webui/server_state.py), not the user's.
+    os.environ["PERSONA_CHAT_STATE"] = str(tmp_path_factory.mktemp("persona-chat-state"))
     yield cache
 
 

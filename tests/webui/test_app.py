@@ -601,6 +601,7 @@ def start_app_py(tmp_path, **env_changes) -> tuple[float, list[str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("CHAT_MODEL", "PERSONA_CHAT_RUNS", "HF_HUB_OFFLINE")}
     env.update(
         HF_HOME=str(tmp_path / "hf"),
+        PERSONA_CHAT_STATE=str(tmp_path / "state"),  # a first start: no key, no model chosen before
         GRADIO_SERVER_NAME="127.0.0.1",
         GRADIO_SERVER_PORT=str(port),
         GRADIO_ANALYTICS_ENABLED="False",

@@ -18,13 +18,15 @@ Screenshots: in ``$PERSONA_CHAT_SCREENSHOTS`` if set, else a pytest temporary fo
 from __future__ import annotations
 
 import re
+import shutil
 import time
 
 import pytest
 from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
 from served_app import App
 
-from chat.engine import Conversation
+from chat.engine import DEMO_DIR, Conversation
+from finetune.jobs.command import free_port
 from webui import auth, chat_handlers
 
 pytestmark = needs_browser
@@ -35,6 +37,7 @@ PASSWORD = "browser-journeys-password"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     app = App(tmp_path_factory.mktemp("browser-journeys"), auth.AuthConfig(password=PASSWORD))
+    shutil.copytree(DEMO_DIR, app.runs / "second" / "final")  # a finished run to load
     yield app
     app.close()
 
@@ -186,3 +189,81 @@ def test_a_refused_start_says_why_in_the_action_line(open_page, served, capfd):
         while served.tab.manager.status(run_id).state in ("running", "stopping"):
             assert time.monotonic() < deadline, served.tab.manager.status(run_id)
             time.sleep(1)
+
+
+# --------------------------------------------------------------------------- item 13: a swap, a restart
+
+
+def load_model(page, option: str) -> None:
+    """A logged-in trainer's Load in the Chat tab's model picker (``option``: the start of its label)."""
+    page.get_by_role("tab", name="Chat").click()
+    if not page.locator("#model-picker input").is_visible():
+        page.get_by_role("button", name=re.compile("^Model")).click()  # the accordion
+    page.locator("#model-picker input").click()
+    page.get_by_role("option", name=option).click()
+    page.locator("#model-load").click()
+    expect(page.locator("#model-load-note")).to_contain_text(f"Now serving {option}", timeout=60_000)
+
+
+def test_a_swap_on_another_page_is_said_in_the_chat_and_the_picker_follows(open_page, served):
+    a, b = open_page("a"), open_page("b")
+    first = send(b, "hi! who are you?")  # page B's chat, on the demo model
+    login(a)
+    try:
+        load_model(a, "second/final")
+        box = b.get_by_role("textbox", name="Message")
+        box.fill("and what do you do?")
+        box.press("Enter")
+        expect(bot_messages(b)).to_have_count(3)  # the reply, and the note after it
+        expect(b.locator("#chat-input button.stop-button")).to_have_count(0)
+        # page B's conversation changed model: a note after the first reply of the new one says so
+        note = b.locator("#chat-log").get_by_text("The model changed: now second/final")
+        expect(note).to_be_visible()
+        expect(bot_messages(b).first).to_have_text(first)
+        b.get_by_role("button", name=re.compile("^Model")).click()  # its picker names the new model
+        expect(b.locator("#model-picker input")).to_have_value(re.compile(r"^second/final"))
+        b.shot("13-model-changed")
+        load_model(a, "demo model")  # back, on page A; page B's picker follows when its Chat tab opens
+        b.get_by_role("tab", name="Compare").click()
+        b.get_by_role("tab", name="Chat").click()
+        expect(b.locator("#model-picker input")).to_have_value(re.compile(r"^demo model"))
+    finally:
+        if served.engine.current.name != str(DEMO_DIR):
+            served.engine.swap(str(DEMO_DIR))
+
+
+@pytest.mark.parametrize("size", ["desktop"])
+def test_a_restart_keeps_saved_chats_and_the_served_model_and_says_the_login_ended(
+    size, browser, tmp_path, monkeypatch, shots
+):
+    """After a restart the saved chats and the login vanished silently (gradio made a new key for
+    browser storage at each start) and the demo model served again."""
+    monkeypatch.setenv("PERSONA_CHAT_STATE", str(tmp_path / "state"))
+    port, root, config = free_port(), tmp_path / "app", auth.AuthConfig(password=PASSWORD)
+    served = App(root, config, port=port, as_started=True)
+    shutil.copytree(DEMO_DIR, served.runs / "second" / "final")
+    context = browser.new_context(viewport=VIEWPORTS[size])
+    try:
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(served.url)
+        reply = send(page, "hello from before the restart")
+        expect(page.get_by_role("gridcell")).to_have_count(1)
+        login(page)
+        load_model(page, "second/final")
+        served.close()
+        # A new process: the same address (the same browser storage), no live logins.
+        served = App(root, auth.AuthConfig(password=PASSWORD), port=port, as_started=True)
+        assert served.engine.current.name == str(served.runs / "second" / "final")
+        page.reload()
+        expect(page.locator("#serving-status")).to_contain_text("Serving second/final")
+        saved = page.get_by_role("gridcell", name="hello from before the restart")
+        expect(saved).to_be_visible()
+        saved.click()
+        expect(bot_messages(page)).to_have_text([reply])
+        page.get_by_role("tab", name="Train").click()
+        expect(page.locator("#train-auth")).to_contain_text("Your login has ended")
+        page.screenshot(path=shots / f"journey-13-after-restart-{size}.png")
+    finally:
+        context.close()
+        served.close()
