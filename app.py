@@ -26,6 +26,7 @@ from webui import (
     chat_handlers,
     chat_tab,
     compare_tab,
+    look,
     review_handlers,
     server_state,
     train_handlers,
@@ -74,9 +75,9 @@ def build_demo(
             title="Chat-E · persona-chat",
             analytics_enabled=False,
             delete_cache=(web_uploads.MAX_AGE_S, web_uploads.MAX_AGE_S),
-            theme=chat_tab.THEME,
-            css=chat_tab.CSS,
-            js=chat_tab.JS,
+            theme=look.THEME,
+            css=look.CSS,
+            js=look.JS,
         )
     with blocks as demo:
         # The login token (webui/auth.py): kept by the browser, encrypted in its local storage, sent
