@@ -83,7 +83,7 @@ def build_demo(
         # The login token (webui/auth.py): kept by the browser, encrypted in its local storage, sent
         # with every action and checked against the server's live logins; None when logged out.
         session = gr.BrowserState(None, storage_key="persona-chat-login", secret=browser_key)
-        gr.Markdown(INTRO)
+        gr.Markdown(INTRO, elem_id="intro")
         status = gr.Markdown(chat_handlers.serving_markdown(engine), elem_id="serving-status")
         with gr.Tabs():
             with gr.Tab("Chat") as chat_page:

@@ -41,7 +41,7 @@ def build(
     with gr.Row(elem_id="chat-row"):
         chat_column = gr.Column(scale=3, min_width=320, elem_id="chat-column")
         with gr.Column(scale=1, min_width=300, elem_id="bot-settings"):
-            bot = bot_identity.build("The bot has a…", emotion_id="context-emotion")
+            bot = bot_identity.build("The bot has a…", emotion_id="context-emotion", elem_prefix="chat")
             kind, context, contexts = bot.kind, bot.context, bot.contexts
             preset = gr.Radio(chat_handlers.PRESET_CHOICES, value="fast", label="Preset")
             beams0, sample0, temperature0, top_p0, max_new0 = chat_handlers.preset_values("fast")
@@ -201,6 +201,14 @@ def _saved_chat_events(
 
     options = {"queue": False, "show_progress": "hidden", **PRIVATE}
     chat.new_chat_button.click(fresh, None, [*visit, written], **options)
+    # Which saved chat is open (ChatInterface's conversation id: None for a new chat), for the page's
+    # script to mark in the list: gradio's zebra stripes made the first row look open after a reload.
+    # A save tells it here (the id's own change event is not sent for an unqueued event's state, and
+    # a hidden component sends none); a click on a saved chat or on New chat, the script itself.
+    open_chat = gr.Number(None, visible=False, elem_id="open-chat")
+    chat.saved_conversations.change(lambda index: index, chat.conversation_id, open_chat, **options).then(
+        None, open_chat, None, js="(index) => { window.personaChatOpen = index; window.personaTidy?.(); }", **PRIVATE
+    )
     chat.chat_history_dataset.click(
         reopen,
         [chat.chat_history_dataset, chat.saved_conversations, store, contexts, context],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gradio as gr
 
+RED_700, RED_800 = gr.themes.colors.red.c700, gr.themes.colors.red.c800
+
 # WCAG AA (4.5:1) for small text: gradio's default orange primary button (white on orange-500)
 # and subdued help text (gray-400 on white) fall short; a darker orange and gray-600 pass.
 THEME = gr.themes.Default().set(
@@ -20,6 +22,16 @@ THEME = gr.themes.Default().set(
     button_primary_background_fill_hover_dark="*primary_800",
     button_primary_text_color="white",
     button_primary_text_color_dark="white",
+    # Stop (the "stop" variant): white on red-500 was 3.76:1; red-700 is 6.5:1 (the theme has no
+    # CSS variables for its red steps: the colours themselves).
+    button_cancel_background_fill=RED_700,
+    button_cancel_background_fill_hover=RED_800,
+    button_cancel_background_fill_dark=RED_700,
+    button_cancel_background_fill_hover_dark=RED_800,
+    button_cancel_border_color=RED_700,
+    button_cancel_border_color_dark=RED_700,
+    button_cancel_text_color="white",
+    button_cancel_text_color_dark="white",
 )
 
 # On a phone the chat fits the first screen: a shorter chat log, and the saved chats under it; the
@@ -27,22 +39,71 @@ THEME = gr.themes.Default().set(
 # Texts never scroll: gradio's block is overflow:auto, and a fraction of a pixel too much (the
 # serving banner's line) makes Chromium give it a Tab stop, as a keyboard-focusable scroller.
 # The serving banner is an output of every reply: no progress overlay over it while the bot writes.
-# Focus rings (WCAG 2.4.7): gradio draws none on the message box and a thin one elsewhere; this one
-# is the primary button's orange-700, over 3:1 against both the light and the dark background.
+# Focus rings (WCAG 2.4.7): gradio draws none on the message box or a checked radio and a near-white
+# one on text boxes; this one, on every control (a radio's on its label), is the primary button's
+# orange-700, over 3:1 against both the light and the dark background. The selected tab's label was
+# orange-500 (2.8:1 on white): orange-700. A disabled button was its enabled colours at half opacity
+# (it looked half-enabled): gray with a dashed border.
 CSS = """
 @media (max-width: 640px) {
-  #chat-log { height: 52vh !important; max-height: 52vh !important; }
-  #chat-log .examples { padding: var(--spacing-lg); gap: var(--spacing-md); }
-  #chat-log .example { padding: var(--spacing-md) var(--spacing-lg); }
+  #intro p { display: none; }
+  #intro h1 { font-size: var(--text-xxl); margin-bottom: 0; }
+  #chat-log { height: 36vh !important; max-height: 36vh !important; }
+  #chat-log .examples { padding: var(--spacing-md); gap: var(--spacing-sm); }
+  #chat-log .example { padding: var(--spacing-sm) var(--spacing-lg); }
   #chat-log .example-text-content { margin-top: 0; }
-  #chat-column .row:has(#chat-log) > .column:first-child { order: 2; }
-  #compare-a, #compare-b { height: 28vh !important; max-height: 28vh !important; }
+  #chat-row { flex-direction: column !important; flex-wrap: nowrap !important; }
+  #chat-column, #chat-column > .column, #chat-column .row:has(#chat-log), #bot-settings, #bot-settings > .form {
+    display: contents !important;
+  }
+  #chat-row #bot-settings > *, #chat-row #bot-settings > .form > * { order: 6; }
+  #chat-row .row:has(#chat-log) > .column:has(#chat-log) { order: 1; }
+  #chat-row #bot-settings #chat-kind { order: 2; }
+  #chat-row #bot-settings :is(#chat-context, #context-emotion) { order: 3; }
+  #chat-row .row:has(#chat-log) > .column:first-child { order: 4; }
+  #chat-row #feedback-note { order: 5; }
+  #compare-intro { display: none; }
+  #compare-bot, #compare-bot > .form { flex-direction: column !important; }
+  #compare-panes, #compare-votes { flex-wrap: nowrap !important; }
+  #compare-message-row > *, #compare-panes > *, #compare-votes > * { min-width: 0 !important; }
+  #compare-message-row > :not(button) { flex: 1 1 100% !important; }
+  #compare-message-row > button { flex: 1 1 40% !important; }
+  #compare-panes > *, #compare-votes > * { flex: 1 1 0 !important; }
+  #compare-votes > button { white-space: nowrap; padding: var(--spacing-sm); }
+  #compare-a, #compare-b { height: 32vh !important; max-height: 32vh !important; }
+  #compare-table :is(th, td), #compare-table .cell-wrap { padding: 2px !important; min-width: 0 !important; }
+  #compare-table .cell-menu-button { display: none !important; }
+  #compare-table :is(th, td) * { font-size: var(--text-xs) !important; white-space: normal !important; }
+  #compare-table th * { word-break: normal !important; overflow-wrap: normal !important; }
+  #compare-table td * { overflow-wrap: anywhere !important; }
 }
 .block:has(> [data-testid="markdown-wrapper"]) { overflow: visible !important; }
 #serving-status > [data-testid="status-tracker"] { display: none !important; }
 #chat-column :is(textarea, button, [role="gridcell"]):focus-visible, [role="tab"]:focus-visible {
   outline: 3px solid var(--button-primary-background-fill) !important;
   outline-offset: 1px;
+}
+:is(input, textarea, select, button, [tabindex]):focus-visible {
+  outline: 3px solid var(--button-primary-background-fill) !important;
+  outline-offset: 1px;
+}
+#chat-column table[role="grid"] tr { background: transparent !important; }
+#chat-column table[role="grid"] tr[aria-current="true"] td {
+  background: var(--primary-100); box-shadow: inset 3px 0 0 var(--button-primary-background-fill); font-weight: 600;
+}
+label:has(> input:is([type="radio"], [type="checkbox"]):focus-visible) {
+  outline: 3px solid var(--button-primary-background-fill) !important;
+  outline-offset: 1px;
+}
+[role="tab"][aria-selected="true"] { color: var(--button-primary-background-fill) !important; }
+[role="tab"][aria-selected="true"]::after { background: var(--button-primary-background-fill) !important; }
+button:disabled {
+  opacity: 1 !important;
+  background: var(--neutral-100) !important;
+  color: var(--neutral-600) !important;
+  border: 1px dashed var(--neutral-400) !important;
+  box-shadow: none !important;
+  cursor: not-allowed !important;
 }
 """
 
@@ -71,8 +132,16 @@ JS = """
   ];
   const last = new WeakMap();  // group -> the item focused last
   const items = (group, selector) => [...group.querySelectorAll(selector)].filter(i => !i.disabled);
-  const selected = item => item.closest("[aria-selected='true']") !== null;
+  const selected = item => item.closest("[aria-selected='true'], [aria-current='true']") !== null;
   function tidy() {
+    // The saved chat that is open (chat_tab: window.personaChatOpen, its index; none for a new chat).
+    const open = window.personaChatOpen;
+    document.querySelectorAll("#chat-column table[role='grid'] tbody tr").forEach((row, i) => {
+      const current = typeof open === "number" && i === open ? "true" : null;
+      if (row.getAttribute("aria-current") !== current) {
+        if (current) row.setAttribute("aria-current", current); else row.removeAttribute("aria-current");
+      }
+    });
     for (const [selector, name] of NAMES) {
       for (const button of document.querySelectorAll(selector)) {
         // Only when it differs: setting an attribute, even to its value, wakes the observer below.
@@ -81,6 +150,12 @@ JS = """
       }
     }
     for (const img of document.querySelectorAll("#chat-column button img[alt]:not([alt=''])")) img.alt = "";
+    // gradio names each radio on its own, so each was a Tab stop (7 for kind and preset): one name
+    // per group makes the group one Tab stop, the arrow keys moving the choice (the browser's own).
+    document.querySelectorAll("fieldset").forEach((group, i) => {
+      const name = `radio-group-${i}`;
+      for (const radio of group.querySelectorAll("input[type='radio']")) if (radio.name !== name) radio.name = name;
+    });
     for (const [selector, itemSelector, role, name] of GROUPS) {
       for (const group of document.querySelectorAll(selector)) {
         if (role && group.getAttribute("role") !== role) {
@@ -112,6 +187,13 @@ JS = """
       return;
     }
   }, true);
+  document.addEventListener("click", event => {  // the saved chat opened, or none (New chat)
+    const row = event.target.closest("#chat-column table[role='grid'] tbody tr");
+    const newChat = event.target.closest("#chat-column .row:has(#chat-log) > .column:first-child > button");
+    if (!row && !newChat) return;
+    window.personaChatOpen = row ? [...row.parentElement.children].indexOf(row) : null;
+    tidy();
+  }, true);
   document.addEventListener("focusin", event => {
     for (const [selector, itemSelector] of GROUPS) {
       const group = event.target.closest(selector);
@@ -131,5 +213,6 @@ JS = """
     subtree: true, childList: true, attributes: true, attributeFilter: ["disabled", "aria-selected", "aria-label"],
   });
   tidy();
+  window.personaTidy = tidy;
 }
 """
