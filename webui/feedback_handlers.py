@@ -25,7 +25,9 @@ from webui import auth, chat_handlers
 
 log = logging.getLogger(__name__)
 
-HINT = "✏️ on a reply: write what the bot should have said · 👍 / 👎 rate it (a trainer reviews both)."
+# Each emoji stands next to its word (the buttons are named Edit, Like and Dislike): "👍 / 👎" alone
+# said nothing to a screen reader, nor where no emoji font draws them.
+HINT = "✏️ Edit a reply to write what the bot should have said · 👍 Like or 👎 Dislike it (a trainer reviews both)."
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from webui.uploads import upload_folder
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: every handler checks the login
 
-HELP = """Every 👍, 👎 and ✏️ correction in the chat waits here as a **pending** row. Select a row to see exactly what
-the model reads, fix the response if needed, then **Accept** it (only accepted likes and corrections are trained on:
-tick **Add accepted chat feedback** under **New run**) or **Reject** it."""
+HELP = """Every 👍 like, 👎 dislike and ✏️ correction in the chat waits here as a **pending** row. Select a row to
+see exactly what the model reads, fix the response if needed, then **Accept** it (only accepted likes and corrections
+are trained on: tick **Add accepted chat feedback** under **New run**) or **Reject** it."""
 
 
 @dataclass

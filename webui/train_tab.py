@@ -284,7 +284,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     action = gr.Markdown(elem_id="train-action")
     # Hidden until Show command fills it: empty, it was a tall blank box above the run (~200 px on a phone).
     command = gr.Code(
-        language="shell",
+        language=None,  # plain: the shell highlighting drew flags at 1.56:1 and values at 2-2.84:1 on white
         label="Command",
         interactive=False,
         lines=2,

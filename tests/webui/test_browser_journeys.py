@@ -42,6 +42,14 @@ def served(tmp_path_factory):
     app.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _patient():
+    """Replies, saves and loads on a shared 2-core machine can outlast expect's 5 s default."""
+    expect.set_options(timeout=20_000)
+    yield
+    expect.set_options(timeout=5_000)
+
+
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory, request):
     folder = screenshot_folder(tmp_path_factory, "screenshots")
@@ -267,3 +275,236 @@ def test_a_restart_keeps_saved_chats_and_the_served_model_and_says_the_login_end
     finally:
         context.close()
         served.close()
+
+
+# --------------------------------------------------------------------------- item 10: the first screen
+
+
+def bottom(page, selector: str) -> float:
+    box = page.locator(selector).first.bounding_box()
+    assert box is not None, f"{selector} is not shown"
+    return box["y"] + box["height"]
+
+
+def test_the_message_box_and_who_the_bot_is_are_on_the_first_screen(open_page):
+    """On a phone the message box started at y=845 of an 844 px screen, the kind picker at ~1,098 px,
+    Compare's message box at ~1,340 px."""
+    page = open_page()
+    height = page.viewport_size["height"]
+    shown = {name: bottom(page, selector) for name, selector in FIRST_SCREEN["Chat"].items()}
+    page.first_screen("10-chat-first-screen")
+    assert all(y <= height for y in shown.values()), shown
+    assert bottom(page, "#chat-input textarea") < page.locator("#chat-kind").bounding_box()["y"] or page.size != "phone"
+    page.get_by_role("tab", name="Compare").click()
+    expect(page.locator("#compare-input textarea")).to_be_visible()
+    shown = {name: bottom(page, selector) for name, selector in FIRST_SCREEN["Compare"].items()}
+    page.first_screen("10-compare-first-screen")
+    assert all(y <= height for y in shown.values()), shown
+    if page.size == "desktop":  # the replies and the vote too
+        assert bottom(page, "#compare-votes") <= height
+
+
+FIRST_SCREEN = {
+    "Chat": {"message box": "#chat-input textarea", "kind": "#chat-kind", "context": "#chat-context"},
+    "Compare": {"message box": "#compare-input textarea", "kind": "#compare-kind", "context": "#compare-context"},
+}
+
+
+# --------------------------------------------------------------------------- item 11: keyboard, contrast
+
+
+def luminance(css_color: str) -> float:
+    """WCAG relative luminance of a computed ``rgb()``/``rgba()`` colour."""
+    r, g, b = (int(float(v)) / 255 for v in re.findall(r"[\d.]+", css_color)[:3])
+
+    def linear(c: float) -> float:
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    return 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b)
+
+
+def contrast(foreground: str, background: str) -> float:
+    lighter, darker = sorted((luminance(foreground), luminance(background)), reverse=True)
+    return (lighter + 0.05) / (darker + 0.05)
+
+
+# [text colour, the first opaque background behind it, the element's opacity times its ancestors'].
+COLORS_JS = """
+element => {
+  let node = element, background = "rgb(255, 255, 255)", opacity = 1;
+  for (let up = element; up && up.nodeType === 1; up = up.parentElement) {
+    opacity *= parseFloat(getComputedStyle(up).opacity);
+  }
+  while (node && node.nodeType === 1) {
+    const fill = getComputedStyle(node).backgroundColor;
+    if (fill && fill !== "transparent" && !/rgba\\(.*, 0\\)$/.test(fill)) { background = fill; break; }
+    node = node.parentElement;
+  }
+  return [getComputedStyle(element).color, background, opacity];
+}
+"""
+RING_JS = (
+    """e => { const s = getComputedStyle(e); return [s.outlineStyle, parseFloat(s.outlineWidth), s.outlineColor]; }"""
+)
+
+
+def ratio(locator) -> float:
+    foreground, background, opacity = locator.evaluate(COLORS_JS)
+    assert opacity == 1, f"drawn at opacity {opacity}"  # a faded colour is not the computed one
+    return round(contrast(foreground, background), 2)
+
+
+def ring(locator) -> tuple[str, float, float]:
+    """(outline style, width, contrast of its colour against the background behind the element)."""
+    style, width, color = locator.evaluate(RING_JS)
+    _, background, _ = locator.evaluate(COLORS_JS)
+    return style, width, round(contrast(color, background), 2)
+
+
+# Every emoji in the page's text stands next to a word: no status, hint or label is an emoji alone.
+EMOJI_JS = r"""() => {
+  const text = document.body.innerText, lonely = [];
+  for (const m of text.matchAll(/\p{Extended_Pictographic}\uFE0F?/gu)) {
+    const after = text.slice(m.index + m[0].length).replace(/^[\s\uFE0F]+/u, "");
+    if (!/^[\p{L}\p{N}"'(*]/u.test(after)) lonely.push(text.slice(Math.max(0, m.index - 20), m.index + 20));
+  }
+  return lonely;
+}"""
+
+
+def test_keyboard_focus_and_contrast(open_page):
+    """Focus was invisible on a checked radio and near-white on the context box; kind and preset took
+    7 Tab stops; the selected tab label was 2.8:1, the Show command box 1.56-2.84:1, Stop 3.76:1;
+    disabled buttons looked half-enabled; some hints were emoji alone."""
+    page = open_page()
+    # -- one Tab stop per radio group, the arrow keys choose (the browser's own radio group)
+    context = page.locator("#chat-context textarea")
+    context.click()
+    page.keyboard.press("Shift+Tab")
+    persona = page.get_by_role("radio", name="Persona")
+    expect(persona).to_be_focused()
+    style, width, seen = ring(page.locator("#chat-kind label").filter(has=persona))
+    assert style != "none" and width >= 2 and seen >= 3, (style, width, seen)  # the checked radio's ring
+    page.keyboard.press("Tab")
+    expect(context).to_be_focused()
+    style, width, seen = ring(context)
+    assert style != "none" and width >= 2 and seen >= 3, (style, width, seen)  # not near-white
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("radio", name=re.compile("^Fast"))).to_be_focused()  # the whole kind group was one stop
+    page.keyboard.press("Tab")
+    assert page.evaluate("() => document.activeElement.type") != "radio"  # and the preset group one
+    page.first_screen("11-focus-ring")
+    persona.focus()
+    page.keyboard.press("ArrowRight")
+    expect(page.get_by_role("radio", name="Emotion")).to_be_checked()
+    expect(page.locator("#context-emotion input")).to_have_value("joyful")  # the kind's own events ran
+    # -- contrast, as the browser computed the colours
+    ratios = {"selected tab": ratio(page.locator("[role='tab'][aria-selected='true']").first)}
+    ratios["selected tab's line"] = round(
+        contrast(
+            page.evaluate(
+                "() => getComputedStyle(document.querySelector(\"[role='tab'][aria-selected='true']\"), '::after')"
+                ".backgroundColor"
+            ),
+            "rgb(255, 255, 255)",
+        ),
+        2,
+    )
+    page.get_by_role("tab", name="Train").click()
+    disabled, enabled = page.locator("#train-start"), page.locator("#train-show-command")
+    expect(disabled).to_be_disabled()
+    looks = disabled.evaluate(
+        "e => [getComputedStyle(e).opacity, getComputedStyle(e).borderStyle, getComputedStyle(e).cursor]"
+    )
+    assert looks == ["1", "dashed", "not-allowed"], looks  # not the enabled colours at half opacity
+    background = disabled.evaluate(COLORS_JS)[1]
+    assert len(set(re.findall(r"\d+", background)[:3])) <= 2, background  # a gray, not the primary orange
+    ratios["disabled Start"] = ratio(disabled)
+    page.locator("#train-show-command").click()
+    expect(page.locator("#train-command")).to_contain_text("--model_name_or_path")
+    for token in page.locator("#train-command .cm-line, #train-command .cm-line span").all():
+        if token.inner_text().strip():
+            ratios[f"command {token.inner_text().strip()[:20]}"] = ratio(token)
+    page.shot("11-train-unlocked-look")
+    login(page)
+    expect(page.locator("#train-start")).to_be_enabled()
+    page.wait_for_timeout(1000)  # (gradio's buttons fade to their new colours)
+    ratios["Stop"] = ratio(page.locator("#train-stop"))
+    ratios["Start"] = ratio(page.locator("#train-start"))
+    ratios["Show command"] = ratio(enabled)
+    low = {name: value for name, value in ratios.items() if value < (3 if "line" in name else 4.5)}
+    assert not low, low
+    # -- no status, hint or label is an emoji alone (where no emoji font draws them, nothing is left)
+    for tab in ("Train", "Compare", "Chat"):
+        page.get_by_role("tab", name=tab).click()
+        page.wait_for_timeout(500)
+        assert not page.evaluate(EMOJI_JS), (tab, page.evaluate(EMOJI_JS))
+
+
+# --------------------------------------------------------------------------- item 15
+
+
+def test_the_win_rate_table_fits_a_phone(open_page, served):
+    store = served.tab.feedback_store()
+    runs = [str(served.runs / "20261203-094857-daf2d8" / "final"), str(DEMO_DIR)]
+    store.vote(model_a=runs[0], model_b=runs[1], winner="a", visitor=store.visitor_key("198.51.100.7"))
+    page = open_page()
+    page.get_by_role("tab", name="Compare").click()
+    table = page.locator("#compare-table")
+    expect(table.locator("[role=gridcell][data-col='0']").first).to_be_visible()
+    width = page.viewport_size["width"]
+    sizes = table.evaluate(
+        """t => {
+          const grid = t.querySelector('table'), cells = [...grid.querySelectorAll('th, td')];
+          return [grid.scrollWidth, grid.parentElement.clientWidth, ...cells.map(c => c.getBoundingClientRect().right)];
+        }"""
+    )
+    table.scroll_into_view_if_needed()
+    page.first_screen("15-win-rates")
+    scroll, shown, *rights = sizes
+    assert scroll <= shown + 1 and max(rights) <= width, sizes  # nothing cut, nothing to scroll sideways
+    expect(table).to_contain_text("Win rate")
+
+
+def test_export_says_what_it_did(open_page, served):
+    store = served.tab.feedback_store()
+    for i, status in enumerate(("accepted", "pending")):
+        store.add(
+            kind="none", context="", turns=[f"hi {i}"], response=f"hello there {i}!", rating="correction",
+            visitor="trainer:password", status=status,
+        )  # fmt: skip
+    page = open_page()
+    login(page)
+    page.locator("#review").get_by_text(re.compile(r"^Feedback from the chat")).click()
+    page.locator("#review-rows [role=gridcell][data-row='0'][data-col='1']").click()
+    page.locator("#review-reject").click()
+    note = page.locator("#review-note")
+    expect(note).to_contain_text("rejected.")
+    page.locator("#review-export").click()
+    accepted = store.counts()["accepted"]
+    expect(note).to_contain_text(f"Exported {accepted} accepted row")  # not "Row 7: rejected." any more
+    expect(page.locator("#review-download")).to_be_visible()
+    page.locator("#review").scroll_into_view_if_needed()
+    page.first_screen("15-export-note")
+
+
+def test_after_a_reload_no_saved_chat_looks_open(open_page):
+    page = open_page()
+    send(page, "a chat to keep")
+    cells = page.get_by_role("gridcell")
+    expect(cells).to_have_count(1)
+    rows = page.locator("#chat-column table[role='grid'] tbody tr")
+    expect(rows.first).to_have_attribute("aria-current", "true")  # the chat on the page is that one
+    page.reload()
+    expect(page.locator("#chat-input textarea")).to_be_visible(timeout=30_000)
+    expect(cells).to_have_count(1)
+    expect(bot_messages(page)).to_have_count(0)  # a new, empty chat
+    assert rows.first.get_attribute("aria-current") is None
+    backgrounds = rows.first.locator("td").evaluate(
+        "c => [getComputedStyle(c).backgroundColor, getComputedStyle(c.closest('tr')).backgroundColor]"
+    )
+    assert all(b in ("rgba(0, 0, 0, 0)", "transparent") for b in backgrounds), backgrounds  # no stripe, no mark
+    page.first_screen("15-reload")
+    cells.first.click()
+    expect(rows.first).to_have_attribute("aria-current", "true")
+    expect(page.locator("[data-testid='user']")).to_have_text(["a chat to keep"])
