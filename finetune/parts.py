@@ -181,6 +181,7 @@ def check_compiler() -> None:
 # into torch's extension cache: the shared-memory communication op when the processes connect, CPU
 # Adam when the engine is made (only with a DeepSpeed optimizer; the CPU recipe uses torch's AdamW).
 CPU_OPS = {"connect": "ShareMemCommBuilder", "prepare": "CPUAdamBuilder"}
+CPU_OPS_NAMES = {"connect": "deepspeed_shm_comm", "prepare": "cpu_adam"}  # their folders in the cache
 
 
 def extension_dir(name: str) -> Path:
@@ -226,11 +227,11 @@ def _op_phase(step: str, what: str, otherwise: str) -> str:
     state = cpu_op_state(step)
     if state == "unbuilt":
         return f"building DeepSpeed's {what} (the first CPU run on this machine; about a minute)"
-    if state == "locked":
-        name = CPU_OPS[step]
+    if state == "locked":  # another process of this run, or another run, builds it; or a killed build left the lock
         return (
-            f"waiting for DeepSpeed's {what}: its build folder is locked (another run is building it, or an "
-            f"interrupted build left the file `lock` there; if no run is building ({name}), delete that file)"
+            f"building DeepSpeed's {what}, or waiting while another process builds it (about a minute; if this "
+            f"lasts while nothing builds, an interrupted build left `{extension_dir(CPU_OPS_NAMES[step])}/lock`: "
+            "delete that file)"
         )
     return otherwise
 
