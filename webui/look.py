@@ -71,6 +71,9 @@ CSS = """
   #compare-panes > *, #compare-votes > * { flex: 1 1 0 !important; }
   #compare-votes > button { white-space: nowrap; padding: var(--spacing-sm); }
   #compare-a, #compare-b { height: 32vh !important; max-height: 32vh !important; }
+  #compare-panes :is(.bubble-wrap, .message-wrap) { padding: var(--spacing-xs) !important; }
+  #compare-panes .message-row { margin: var(--spacing-xs) 0 !important; padding: 0 !important; }
+  #compare-panes .message { padding: var(--spacing-sm) !important; max-width: 100% !important; }
   #compare-table :is(th, td), #compare-table .cell-wrap { padding: 2px !important; min-width: 0 !important; }
   #compare-table .cell-menu-button { display: none !important; }
   #compare-table :is(th, td) * { font-size: var(--text-xs) !important; white-space: normal !important; }
@@ -214,5 +217,26 @@ JS = """
   });
   tidy();
   window.personaTidy = tidy;
+  // What this browser stored under another key (the state folder lost, a Space restarted without
+  // PERSONA_CHAT_BROWSER_KEY: webui/server_state.py) cannot be read, and gradio then shows nothing,
+  // silently. A fingerprint of the key (the key itself is in the page anyway) tells: say so.
+  const stores = (window.gradio_config?.components || []).filter(c => c.type === "browserstate");
+  const secret = stores[0]?.props?.secret;
+  if (secret) {
+    let hash = 5381;
+    for (const c of secret) hash = (hash * 33 + c.charCodeAt(0)) >>> 0;
+    const id = hash.toString(16), seen = localStorage.getItem("persona-chat-key-id");
+    const stored = stores.some(c => localStorage.getItem(c.props.storage_key));
+    const banner = document.getElementById("serving-status");
+    if (seen && seen !== id && stored && banner && !document.getElementById("browser-key-changed")) {
+      const note = document.createElement("p");
+      note.id = "browser-key-changed";
+      note.setAttribute("role", "status");
+      note.textContent = "⚠️ Saved chats (and a login) this browser kept from before the server restarted can no " +
+        "longer be read: the server's key for them changed (on a Space, the secret PERSONA_CHAT_BROWSER_KEY keeps it).";
+      banner.after(note);
+    }
+    localStorage.setItem("persona-chat-key-id", id);
+  }
 }
 """

@@ -23,6 +23,7 @@ import time
 
 import pytest
 from browser import VIEWPORTS, expect, needs_browser, screenshot_folder, shout
+from playwright.sync_api import Error as PlaywrightError
 from served_app import App
 
 from chat.engine import DEMO_DIR, Conversation
@@ -108,6 +109,19 @@ def login(page) -> None:
     expect(page.locator("#train-auth")).to_contain_text("Logged in")
 
 
+def reopen(page, url: str) -> None:
+    """The page again after a restart (gradio's own script may navigate at the same moment: retried)."""
+    for attempt in range(3):
+        try:
+            page.goto(url)
+            break
+        except PlaywrightError:
+            if attempt == 2:
+                raise
+            page.wait_for_timeout(1000)
+    expect(page.locator("#chat-input textarea")).to_be_visible()
+
+
 # --------------------------------------------------------------------------- item 7: examples
 
 
@@ -131,6 +145,17 @@ def test_each_example_sends_its_own_kind_and_context(open_page, served):
 
 
 # --------------------------------------------------------------------------- item 8: refusals on the page
+
+
+def test_choosing_models_without_a_login_says_why_under_the_button(open_page):
+    """Every refusal of the app shows on the page: the Chat tab's Load (test_browser_train.py) and
+    Compare's model choice say why under their button."""
+    page = open_page()
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_role("button", name="Models").click()  # the accordion
+    page.locator("#compare-load").click()
+    expect(page.locator("#compare-load-note")).to_contain_text("Cannot choose the models to compare: log in first")
+    assert not page.locator("#compare-load-note .wrap.error, .toast-body.error").count()
 
 
 def test_a_wrong_password_and_a_lockout_say_why_under_the_login(open_page, served):
@@ -263,7 +288,7 @@ def test_a_restart_keeps_saved_chats_and_the_served_model_and_says_the_login_end
         # A new process: the same address (the same browser storage), no live logins.
         served = App(root, auth.AuthConfig(password=PASSWORD), port=port, as_started=True)
         assert served.engine.current.name == str(served.runs / "second" / "final")
-        page.reload()
+        reopen(page, served.url)
         expect(page.locator("#serving-status")).to_contain_text("Serving second/final")
         saved = page.get_by_role("gridcell", name="hello from before the restart")
         expect(saved).to_be_visible()
@@ -272,6 +297,16 @@ def test_a_restart_keeps_saved_chats_and_the_served_model_and_says_the_login_end
         page.get_by_role("tab", name="Train").click()
         expect(page.locator("#train-auth")).to_contain_text("Your login has ended")
         page.screenshot(path=shots / f"journey-13-after-restart-{size}.png")
+        expect(page.locator("#browser-key-changed")).to_have_count(0)  # the same key: nothing lost
+        # The key lost (a Space's disk reset without PERSONA_CHAT_BROWSER_KEY): the chats cannot be read,
+        # and the page says so rather than showing none silently.
+        served.close()
+        monkeypatch.setenv("PERSONA_CHAT_STATE", str(tmp_path / "a-new-state"))
+        served = App(root, auth.AuthConfig(password=PASSWORD), port=port, as_started=True)
+        reopen(page, served.url)
+        expect(page.locator("#browser-key-changed")).to_contain_text("can no longer be read")
+        expect(page.get_by_role("gridcell")).to_have_count(0)
+        page.screenshot(path=shots / f"journey-13-key-lost-{size}.png")
     finally:
         context.close()
         served.close()
@@ -508,3 +543,38 @@ def test_after_a_reload_no_saved_chat_looks_open(open_page):
     cells.first.click()
     expect(rows.first).to_have_attribute("aria-current", "true")
     expect(page.locator("[data-testid='user']")).to_have_text(["a chat to keep"])
+
+
+# --------------------------------------------------------------------------- the README's pictures
+
+
+def test_a_chat_and_a_comparison_at_both_sizes(open_page, served):
+    """The journeys end to end at both sizes, the first screen kept as the README's pictures
+    (docs/images/chat-<size>.png, compare-<size>.png are copies of these screenshots)."""
+    page = open_page()
+    page.get_by_role("textbox", name="Persona").fill("I am a lighthouse keeper who collects blue seashells.")
+    send(page, "hi! who are you?")
+    send(page, "what do you do on weekends?")
+    expect(page.get_by_role("gridcell")).to_have_count(1)  # saved: the chat's events are over
+    page.wait_for_timeout(1000)
+    page.evaluate("() => window.scrollTo(0, 0)")
+    page.first_screen("readme-chat")
+    assert bottom(page, "#chat-input textarea") <= page.viewport_size["height"]
+    login(page)
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_role("button", name="Models").click()  # the accordion
+    page.locator("#compare-model-b input").click()
+    page.get_by_role("option", name="second/final").click()
+    page.locator("#compare-load").click()
+    expect(page.locator("#compare-pair")).to_contain_text("B**: second/final".replace("**", ""))
+    page.get_by_role("button", name="Models").click()  # closed again
+    page.locator("#compare-input textarea").fill("hi! what do you like to do?")
+    page.locator("#compare-send").click()
+    expect(page.locator("#compare-vote-b")).to_be_enabled()
+    for side in "ab":
+        expect(bot_messages(page, f"#compare-{side}")).to_have_count(1)
+    page.locator("#compare-vote-b").click()
+    expect(page.locator("#compare-note")).to_contain_text("your vote is saved: B is better")
+    page.evaluate("() => window.scrollTo(0, 0)")
+    page.first_screen("readme-compare")
+    assert bottom(page, "#compare-input textarea") <= page.viewport_size["height"]
