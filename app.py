@@ -19,13 +19,25 @@ import warnings
 from dataclasses import replace
 
 import gradio as gr
+import transformers
 from starlette.middleware import Middleware
 
 import api
 from chat import clients
-from chat.engine import ChatEngine
+from chat.engine import ChatEngine, load_apart
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
-from webui import auth, chat_handlers, chat_tab, compare_tab, review_handlers, train_handlers, train_tab, train_view
+from webui import (
+    auth,
+    chat_handlers,
+    chat_tab,
+    compare_tab,
+    look,
+    review_handlers,
+    server_state,
+    train_handlers,
+    train_tab,
+    train_view,
+)
 from webui import uploads as web_uploads
 from webui.request_text import DropLoneSurrogates
 
@@ -51,10 +63,14 @@ The model is a BlenderBot fine-tuned on MuDoConv; your messages are sent to it i
 trained on. Each browser tab is its own conversation."""
 
 
-def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None) -> gr.Blocks:
+def build_demo(
+    engine: ChatEngine, train: train_handlers.TrainTab | None = None, browser_key: str | None = None
+) -> gr.Blocks:
     """The whole app around ``engine`` (queue configured, not launched). ``train`` is the Train
-    tab's runs root, login settings and hardware (default: from the environment)."""
+    tab's runs root, login settings and hardware (default: from the environment); ``browser_key``
+    encrypts what browsers store (default: the state folder's, kept across restarts)."""
     train = train or train_handlers.TrainTab.create()
+    browser_key = browser_key or server_state.browser_key()
     train.serving = lambda: engine.current.name  # the Train tab offers the served run to continue from
     # delete_cache: gradio removes the files this process received after 30 min (the cleaner thread,
     # started with the server, also caps the folder's size and removes the app's unused copies).
@@ -67,19 +83,19 @@ def build_demo(engine: ChatEngine, train: train_handlers.TrainTab | None = None)
             title="Chat-E · persona-chat",
             analytics_enabled=False,
             delete_cache=(web_uploads.MAX_AGE_S, web_uploads.MAX_AGE_S),
-            theme=chat_tab.THEME,
-            css=chat_tab.CSS,
-            js=chat_tab.JS,
+            theme=look.THEME,
+            css=look.CSS,
+            js=look.JS,
         )
     with blocks as demo:
         # The login token (webui/auth.py): kept by the browser, encrypted in its local storage, sent
         # with every action and checked against the server's live logins; None when logged out.
-        session = gr.BrowserState(None, storage_key="persona-chat-login")
-        gr.Markdown(INTRO)
+        session = gr.BrowserState(None, storage_key="persona-chat-login", secret=browser_key)
+        gr.Markdown(INTRO, elem_id="intro")
         status = gr.Markdown(chat_handlers.serving_markdown(engine), elem_id="serving-status")
         with gr.Tabs():
             with gr.Tab("Chat") as chat_page:
-                chat = chat_tab.build(engine, train, session, status)
+                chat = chat_tab.build(engine, train, session, status, browser_key)
             with gr.Tab("Compare") as compare_page:
                 compare = compare_tab.build(engine, train, session, compare_page)
             with gr.Tab("Train") as train_page:
@@ -169,17 +185,42 @@ def __getattr__(name: str):
     global _demo
     if name == "demo":
         if _demo is None:
-            _demo = build_demo(ChatEngine.start())
+            _demo = build_demo(start_engine())
             web_uploads.start_cleaner()
         return _demo
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def start_engine() -> ChatEngine:
+    """The served model, said in one line: what serves and how fast it was ready, or (offline)
+    why the demo model serves instead. The model a trainer loaded before a restart serves again
+    (webui/server_state.py). No progress bars: a model on disk loads in a second."""
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights: 100%|██████████|" per load
+    started = time.perf_counter()
+    saved = server_state.saved_serving()
+    if saved:
+        try:
+            engine = ChatEngine(load_apart(saved), f"serving {saved}")
+            engine.warm_up()
+            log.info(
+                "serving %s, loaded by a trainer before the restart (%.1f s)", saved, time.perf_counter() - started
+            )
+            return engine
+        except Exception as err:  # noqa: BLE001 - e.g. the run was deleted: serve CHAT_MODEL, and say why
+            log.warning("cannot serve %s, loaded by a trainer before the restart (%s); serving CHAT_MODEL", saved, err)
+    engine = ChatEngine.start()
+    ready = f"(model ready in {time.perf_counter() - started:.1f} s)"
+    if engine.fallback:
+        log.warning("%s %s", engine.fallback, ready)
+    else:
+        log.info("%s %s", engine.status, ready)
+    return engine
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    started = time.perf_counter()
-    engine = ChatEngine.start()
-    log.info("%s (model ready in %.1f s)", engine.status, time.perf_counter() - started)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up requests, one line each
+    engine = start_engine()
     demo = build_demo(engine)
     web_uploads.start_cleaner()  # gradio's upload folder and the app's copies, every 10 s
     # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT are read by gradio itself

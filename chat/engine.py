@@ -278,6 +278,7 @@ class ChatEngine:
     def __init__(self, loaded: LoadedModel, status: str, batcher: Batcher | None = None):
         self._current = loaded
         self.status = status
+        self.fallback: str | None = None  # why start() serves the demo model instead (one line), if it does
         self._swap = threading.Lock()
         # Every generate() goes through the batcher's worker thread, which also serialises
         # CPU work so concurrent sessions don't fight over the cores.
@@ -285,15 +286,20 @@ class ChatEngine:
 
     @classmethod
     def start(cls, spec: str | None = None) -> ChatEngine:
-        """Serve ``spec`` (default: CHAT_MODEL or the 400M base model); offline, the demo model."""
+        """Serve ``spec`` (default: CHAT_MODEL or the 400M base model); offline, the demo model.
+        ``fallback`` then says why, in one line for the server's log (the app logs it)."""
         spec = spec or os.environ.get("CHAT_MODEL", DEFAULT_MODEL)
         try:
             engine = cls(load_apart(spec), f"serving {spec}")
         except ModelLoadError as err:
-            log.warning("%s; falling back to the demo model", err)
             engine = cls(
                 load_apart(str(DEMO_DIR)),
                 f"offline: using the demo model (a tiny BlenderBot trained on the sample data) instead of {spec}",
+            )
+            # The chat's own advice, not the training CLI's (--model_name_or_path is no setting of the app).
+            engine.fallback = (
+                f"{err.reason}; falling back to the demo model. To serve it, run once with network access "
+                "so it is cached, or set CHAT_MODEL to a model folder (a run's final/) or a cached Hub id"
             )
         engine.warm_up()
         return engine

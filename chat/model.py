@@ -66,7 +66,12 @@ TOKENIZER_VOCAB = 2000
 
 
 class ModelLoadError(RuntimeError):
-    """A model or tokenizer could not be loaded; the message says why and what to try."""
+    """A model or tokenizer could not be loaded; the message says why and what to try (to train).
+    ``reason`` is the why alone (the chat app gives its own advice: it serves, it does not train)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def cache_dir() -> Path:
@@ -181,11 +186,12 @@ def load_error(name: str, err: Exception) -> ModelLoadError:
         hub = "is switched off (HF_HUB_OFFLINE=1)"
     else:
         hub = "did not provide it" if hub_reachable() else "cannot be reached (offline?)"
+    reason = f"cannot load model {name!r}: it is not a local directory, and the Hub {hub}"
     return ModelLoadError(
-        f"cannot load model {name!r}: it is not a local directory, and the Hub {hub}. "
-        "Check the spelling, run once with network access so it is cached, or use "
+        f"{reason}. Check the spelling, run once with network access so it is cached, or use "
         "--model_name_or_path tiny (or random-400M) to work offline. "
-        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+        reason=reason,
     )
 
 

@@ -177,12 +177,80 @@ def check_compiler() -> None:
         )
 
 
+# DeepSpeed's CPU ops, built (compiled with the C++ compiler) by the first CPU run on a machine,
+# into torch's extension cache: the shared-memory communication op when the processes connect, CPU
+# Adam when the engine is made (only with a DeepSpeed optimizer; the CPU recipe uses torch's AdamW).
+CPU_OPS = {"connect": "ShareMemCommBuilder", "prepare": "CPUAdamBuilder"}
+CPU_OPS_NAMES = {"connect": "deepspeed_shm_comm", "prepare": "cpu_adam"}  # their folders in the cache
+
+
+def extension_dir(name: str) -> Path:
+    """Where torch builds and keeps the op ``name`` (torch.utils.cpp_extension's own rule, without
+    its side effect of making the folder)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        accelerator = "cpu"
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = Path(get_default_build_root()) / f"{version}_{accelerator}"
+    return Path(root) / name
+
+
+def cpu_op_state(step: str) -> str | None:
+    """The state of DeepSpeed's CPU op of ``step`` ("connect" or "prepare") on a CPU run: "built"
+    (or installed prebuilt), "unbuilt" (this run builds it: about a minute on 2 cores), "locked"
+    (its build folder holds torch's lock file: another run is building it, or an interrupted build
+    left the file and every run waits on it), or None (not a DeepSpeed CPU run, or not known)."""
+    if not deepspeed_on_cpu():
+        return None
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+
+        builder = get_accelerator().create_op_builder(CPU_OPS[step])
+        if builder is None or installed_ops.get(builder.NAME):
+            return "built"
+        folder = extension_dir(builder.name)
+    except Exception:  # noqa: BLE001 - only the wording of a phase line depends on it
+        return None
+    if (folder / "lock").exists():
+        return "locked"
+    return "built" if (folder / f"{builder.name}.so").is_file() else "unbuilt"
+
+
+def _op_phase(step: str, what: str, otherwise: str) -> str:
+    state = cpu_op_state(step)
+    if state == "unbuilt":
+        return f"building DeepSpeed's {what} (the first CPU run on this machine; about a minute)"
+    if state == "locked":  # another process of this run, or another run, builds it; or a killed build left the lock
+        return (
+            f"building DeepSpeed's {what}, or waiting while another process builds it (about a minute; if this "
+            f"lasts while nothing builds, an interrupted build left `{extension_dir(CPU_OPS_NAMES[step])}/lock`: "
+            "delete that file)"
+        )
+    return otherwise
+
+
+def connecting_phase() -> str:
+    """The ``phase`` event's text while the processes connect (the accelerator is made): the first
+    CPU run spent ~55 s here building DeepSpeed's shared-memory op under "connecting the processes"."""
+    return _op_phase("connect", "CPU communication op", "connecting the processes")
+
+
 def preparing_phase(accelerator) -> str:
     """The ``phase`` event's text while accelerator.prepare runs."""
-    if accelerator.state.deepspeed_plugin is None:
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
         return "preparing the model"
-    if not torch.cuda.is_available():
-        return "preparing DeepSpeed (builds its CPU op the first time)"
+    config = plugin.deepspeed_config
+    offload = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device")
+    if "optimizer" in config or offload == "cpu":  # DeepSpeed's own optimizer: CPU Adam on the CPU
+        return _op_phase("prepare", "CPU Adam op", "preparing DeepSpeed")
     return "preparing DeepSpeed"
 
 

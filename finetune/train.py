@@ -54,6 +54,7 @@ from finetune.parts import (
     TrainingError,
     check_compiler,
     check_output_dir,
+    connecting_phase,
     is_rank0,
     make_accelerator,
     make_loaders,
@@ -167,7 +168,7 @@ def setup(cfg: TrainConfig) -> Run:
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     phase("loading data")
     raw = load_raw(cfg)
-    phase("connecting the processes")  # waits for every rank to get here
+    phase(connecting_phase())  # waits for every rank to get here (and, the first time, a DeepSpeed op build)
     accelerator = make_accelerator(cfg)
     if not accelerator.is_local_main_process:
         datasets.utils.logging.set_verbosity_error()

@@ -16,6 +16,8 @@ def _isolated_cache(tmp_path_factory):
     """Build presets into a fresh cache so the tests exercise the build itself."""
     cache = tmp_path_factory.mktemp("persona-chat-cache")
     os.environ["PERSONA_CHAT_CACHE"] = str(cache)
+    # The app's state (browser-state key, the served model's choice: webui/server_state.py), not the user's.
+    os.environ["PERSONA_CHAT_STATE"] = str(tmp_path_factory.mktemp("persona-chat-state"))
     yield cache
 
 
@@ -48,6 +50,7 @@ SLOW_MODULES = {
     "test_browser_loop.py",  # issue 13's loop: chat, correct, accept, retrain, compare, vote
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
     "test_browser_chat_state.py",  # saved chats' settings, the banner across two pages
+    "test_browser_journeys.py",  # issue 28's journeys (items 7-15), desktop and phone
     "test_attacks.py",
     "test_forged_addresses.py",  # two app start-ups, forged X-Forwarded-For (issue 28 item 1)
     "test_body_limits.py",  # 150 MB bodies against the running app (issue 28 item 2)
@@ -66,6 +69,8 @@ SLOW_TESTS = {
     "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)
     "test_32_clients_rating_at_once_each_find_their_row_exactly_once",
     "test_compare_through_the_launched_app",  # an app start-up
+    "test_rescoring_with_the_runs_own_settings_gives_back_its_figure",  # an evaluation of the demo model
+    "test_rescoring_with_the_apps_settings_records_the_figure_and_its_measure",  # (~40 s each on 2 cores)
 }
 
 

@@ -272,4 +272,9 @@ def login_markdown(config: AuthConfig, token: str | None, profile=None) -> str:
         ways = ["the password"] if config.password else []
         ways += ["a Hugging Face account listed in " + USERS_ENV] if config.oauth else []
         text = f"🔒 **Log in** with {' or '.join(ways)} to start, stop or push runs (watching is open to everyone)."
+        if config.password and isinstance(token, str) and token:  # this browser had a login: say it ended
+            text = (
+                "🔒 **Your login has ended** (unused for 30 minutes, logged out on another page, or the server "
+                "restarted): log in again to start, stop or push runs."
+            )
     return text + (f"\n\n⚠️ {config.problem}" if config.problem else "")

@@ -67,12 +67,28 @@ class BotIdentity:
     emotion: gr.Dropdown
 
 
-def build(label: str, kind_scale: int | None = None, emotion_id: str | None = None) -> BotIdentity:
-    """The controls (persona first, Chat-E's) and their events; ``label`` heads the kind radio."""
-    kind = gr.Radio(chat_handlers.KIND_CHOICES, value="persona", label=label, scale=kind_scale)
+def build(
+    label: str, kind_scale: int | None = None, emotion_id: str | None = None, elem_prefix: str | None = None
+) -> BotIdentity:
+    """The controls (persona first, Chat-E's) and their events; ``label`` heads the kind radio;
+    ``elem_prefix`` names the kind radio and the context box (``<prefix>-kind``, ``<prefix>-context``)
+    for the page's style sheet (a phone lays them out apart from the other settings)."""
+    kind = gr.Radio(
+        chat_handlers.KIND_CHOICES,
+        value="persona",
+        label=label,
+        scale=kind_scale,
+        elem_id=f"{elem_prefix}-kind" if elem_prefix else None,
+    )
     context_label, info = chat_handlers.CONTEXT_LABELS["persona"]
     context = gr.Textbox(
-        chat_handlers.CHAT_E_PERSONA, label=context_label, info=info, lines=2, max_lines=6, max_length=MAX_CONTEXT_CHARS
+        chat_handlers.CHAT_E_PERSONA,
+        label=context_label,
+        info=info,
+        lines=2,
+        max_lines=6,
+        max_length=MAX_CONTEXT_CHARS,
+        elem_id=f"{elem_prefix}-context" if elem_prefix else None,
     )
     contexts = gr.State({"kind": "persona"})
     emotion = gr.Dropdown(

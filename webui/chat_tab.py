@@ -11,137 +11,15 @@ from dataclasses import dataclass
 import gradio as gr
 
 from chat.engine import MAX_MESSAGE_CHARS, ChatEngine
-from webui import auth, bot_identity, chat_handlers, feedback_handlers, saved_chats
+from webui import auth, bot_identity, chat_handlers, feedback_handlers, model_scores, saved_chats
 from webui.train_handlers import TrainTab
 
 PRIVATE = {"api_visibility": "private"}  # not a security boundary: handlers that change things check the login
 
 PLACEHOLDER = "Pick who the bot is (Persona, Emotion…), then say hi."
 
-# WCAG AA (4.5:1) for small text: gradio's default orange primary button (white on orange-500)
-# and subdued help text (gray-400 on white) fall short; a darker orange and gray-600 pass.
-THEME = gr.themes.Default().set(
-    body_text_color_subdued="*neutral_600",
-    body_text_color_subdued_dark="*neutral_400",
-    button_primary_background_fill="*primary_700",
-    button_primary_background_fill_hover="*primary_800",
-    button_primary_background_fill_dark="*primary_700",
-    button_primary_background_fill_hover_dark="*primary_800",
-    button_primary_text_color="white",
-    button_primary_text_color_dark="white",
-)
-
-# On a phone the chat fits the first screen: a shorter chat log, and the saved chats under it; the
-# Compare tab's two panes are short enough that the message box is on the first screen too.
-# Texts never scroll: gradio's block is overflow:auto, and a fraction of a pixel too much (the
-# serving banner's line) makes Chromium give it a Tab stop, as a keyboard-focusable scroller.
-# The serving banner is an output of every reply: no progress overlay over it while the bot writes.
-# Focus rings (WCAG 2.4.7): gradio draws none on the message box and a thin one elsewhere; this one
-# is the primary button's orange-700, over 3:1 against both the light and the dark background.
-CSS = """
-@media (max-width: 640px) {
-  #chat-log { height: 52vh !important; max-height: 52vh !important; }
-  #chat-log .examples { padding: var(--spacing-lg); gap: var(--spacing-md); }
-  #chat-log .example { padding: var(--spacing-md) var(--spacing-lg); }
-  #chat-log .example-text-content { margin-top: 0; }
-  #chat-column .row:has(#chat-log) > .column:first-child { order: 2; }
-  #compare-a, #compare-b { height: 28vh !important; max-height: 28vh !important; }
-}
-.block:has(> [data-testid="markdown-wrapper"]) { overflow: visible !important; }
-#serving-status > [data-testid="status-tracker"] { display: none !important; }
-#chat-column :is(textarea, button, [role="gridcell"]):focus-visible, [role="tab"]:focus-visible {
-  outline: 3px solid var(--button-primary-background-fill) !important;
-  outline-offset: 1px;
-}
-"""
-
-# The page's script, three parts, rerun on every change of the page (gradio redraws parts of it):
-# - After each reply the message box takes the focus back: while the bot writes, gradio disables
-#   the box (or shows its stop button) and the focus falls to the page. When the reply is over and
-#   nothing else has the focus, the box gets it again.
-# - Names for gradio's icon-only buttons that have none (send, stop, share), and the trash button
-#   says what it does with save_history: it deletes the saved chat.
-# - The tabs, the saved chats and the examples are each one Tab stop, moved in with the arrow
-#   keys (WAI-ARIA's roving tabindex), so the message box is the 4th Tab stop of a fresh page (5th
-#   with saved chats), not the 13th.
-JS = """
-() => {
-  const NAMES = [
-    ["#chat-input .submit-button", "Send message"],
-    ["#chat-input .stop-button", "Stop the reply"],
-    ["#chat-log .top-panel button.icon-button[aria-label='']", "Share"],
-    ["#chat-log .top-panel button.icon-button[aria-label='Clear']", "Delete this chat"],
-  ];
-  // [group, its items, the role it gets and its name]: each group is one Tab stop.
-  const GROUPS = [
-    ["[role='tablist']", ":scope > button[role='tab']"],
-    ["#chat-column table[role='grid']", "td[role='gridcell']"],
-    ["#chat-log .examples", ":scope > button.example", "toolbar", "Example messages"],
-  ];
-  const last = new WeakMap();  // group -> the item focused last
-  const items = (group, selector) => [...group.querySelectorAll(selector)].filter(i => !i.disabled);
-  const selected = item => item.closest("[aria-selected='true']") !== null;
-  function tidy() {
-    for (const [selector, name] of NAMES) {
-      for (const button of document.querySelectorAll(selector)) {
-        // Only when it differs: setting an attribute, even to its value, wakes the observer below.
-        if (button.getAttribute("aria-label") !== name) button.setAttribute("aria-label", name);
-        if (button.getAttribute("title") !== name) button.setAttribute("title", name);
-      }
-    }
-    for (const img of document.querySelectorAll("#chat-column button img[alt]:not([alt=''])")) img.alt = "";
-    for (const [selector, itemSelector, role, name] of GROUPS) {
-      for (const group of document.querySelectorAll(selector)) {
-        if (role && group.getAttribute("role") !== role) {
-          group.setAttribute("role", role);
-          group.setAttribute("aria-label", name);
-        }
-        const all = items(group, itemSelector);
-        const stop = all.find(selected) || (all.includes(last.get(group)) && last.get(group)) || all[0];
-        for (const item of all) {
-          const index = item === stop ? "0" : "-1";
-          if (item.getAttribute("tabindex") !== index) item.setAttribute("tabindex", index);
-        }
-      }
-    }
-  }
-  const STEPS = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1, Home: "first", End: "last" };
-  document.addEventListener("keydown", event => {
-    if (!(event.key in STEPS) || event.altKey || event.ctrlKey || event.metaKey) return;
-    for (const [selector, itemSelector] of GROUPS) {
-      const group = event.target.closest(selector);
-      const all = group ? items(group, itemSelector) : [];
-      const at = all.indexOf(event.target);
-      if (at < 0) continue;
-      const step = STEPS[event.key];
-      const next = all[step === "first" ? 0 : step === "last" ? all.length - 1 : (at + step + all.length) % all.length];
-      event.preventDefault();
-      last.set(group, next);
-      next.focus();
-      return;
-    }
-  }, true);
-  document.addEventListener("focusin", event => {
-    for (const [selector, itemSelector] of GROUPS) {
-      const group = event.target.closest(selector);
-      if (group && items(group, itemSelector).includes(event.target)) last.set(group, event.target);
-    }
-  });
-  let busy = false;
-  new MutationObserver(() => {
-    tidy();
-    const box = document.querySelector("#chat-input textarea");
-    if (!box) return;
-    const now = box.disabled || !!document.querySelector("#chat-input .stop-button");
-    const idle = !document.activeElement || document.activeElement === document.body;
-    if (busy && !now && idle) box.focus();
-    busy = now;
-  }).observe(document.body, {
-    subtree: true, childList: true, attributes: true, attributeFilter: ["disabled", "aria-selected", "aria-label"],
-  });
-  tidy();
-}
-"""
+# Sends the message box's text, as the Send button does (the example event's last step).
+SEND_JS = "() => { document.querySelector('#chat-input .submit-button')?.click(); }"
 
 
 @dataclass
@@ -152,15 +30,18 @@ class ChatParts:
     picker: gr.Dropdown
 
 
-def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status: gr.Markdown) -> ChatParts:
+def build(
+    engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status: gr.Markdown, browser_key: str | None = None
+) -> ChatParts:
     """The tab's components and events (call inside ``gr.Tab``). ``status`` is the page's
-    serving banner, which a model swap updates."""
+    serving banner, which a model swap updates; ``browser_key`` encrypts the saved chats in the
+    browser (webui.server_state: kept across restarts; None: gradio's own, new at each start)."""
     # The chat comes first (on a phone it is the first thing under the tabs); who the bot is and
     # the generation settings follow it (on the right on a wide screen).
     with gr.Row(elem_id="chat-row"):
         chat_column = gr.Column(scale=3, min_width=320, elem_id="chat-column")
         with gr.Column(scale=1, min_width=300, elem_id="bot-settings"):
-            bot = bot_identity.build("The bot has a…", emotion_id="context-emotion")
+            bot = bot_identity.build("The bot has a…", emotion_id="context-emotion", elem_prefix="chat")
             kind, context, contexts = bot.kind, bot.context, bot.contexts
             preset = gr.Radio(chat_handlers.PRESET_CHOICES, value="fast", label="Preset")
             beams0, sample0, temperature0, top_p0, max_new0 = chat_handlers.preset_values("fast")
@@ -230,11 +111,9 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                 ],
                 # The banner follows the model that wrote each reply (a swap on another page shows here).
                 additional_outputs=[meter, status, replies, written],
-                # Messages only: shown as buttons in the empty chat, labelled with their kind; a
-                # click sends it (the kind and context are set by pick_example below).
-                examples=[[message] for message, _, _ in chat_handlers.EXAMPLES],
-                example_labels=chat_handlers.EXAMPLE_LABELS,
-                run_examples_on_click=True,
+                # The examples are the chatbot's own (set below), not ChatInterface's: its click
+                # sends the message with whatever kind and context the page holds at that moment.
+                examples=None,
                 cache_examples=False,  # Spaces would otherwise run every example at start-up
                 # Not ChatInterface's own editing: it resends any edited message as the user's. The
                 # chatbot's edit event is wired below (a bot reply edited is a correction).
@@ -247,19 +126,38 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
                 api_visibility="private",
             )
             note = gr.Markdown(feedback_handlers.HINT, elem_id="feedback-note")
+    # ChatInterface's store of the saved chats: its key and name were its own, the key new at each
+    # start and the name numbered after the components made before it; both kept across restarts.
+    chat.saved_conversations.storage_key = saved_chats.CHATS_STORAGE_KEY
+    if browser_key:
+        chat.saved_conversations.secret = browser_key
     picker = _model_panel(engine, train, session, status)
     _feedback_events(chat, train, session, replies, note)
 
-    # An example sets its kind and context before its message goes out: this runs at once, while
-    # the chat's own example event first shows the message and then calls the model.
+    # An example is sent like a typed message, after its kind and context are set: a click puts the
+    # kind, context and message on the page, then presses Send. (ChatInterface's own example event
+    # read the kind and context in a race with the event that set them, and sent the old ones.)
+    chat.chatbot.examples = [
+        {"text": message, "display_text": label}
+        for (message, _, _), label in zip(chat_handlers.EXAMPLES, chat_handlers.EXAMPLE_LABELS, strict=True)
+    ]
+
     def pick_example(saved: dict, box: str, event: gr.SelectData):
-        return bot_identity.pick_example(saved, event.index, box)
+        index = event.index if isinstance(event.index, int) else -1
+        if not 0 <= index < len(chat_handlers.EXAMPLES):
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return *bot_identity.pick_example(saved, index, box), chat_handlers.EXAMPLES[index][0]
 
     chat.chatbot.example_select(
-        pick_example, [contexts, context], [kind, context, contexts], queue=False, show_progress="hidden", **PRIVATE
-    )
+        pick_example,
+        [contexts, context],
+        [kind, context, contexts, chat.textbox],
+        queue=False,
+        show_progress="hidden",
+        **PRIVATE,
+    ).success(None, js=SEND_JS, **PRIVATE)
     settings = [kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed]
-    _saved_chat_events(chat, settings, contexts, written, [meter, replies, note])
+    _saved_chat_events(chat, settings, contexts, written, [meter, replies, note], browser_key)
     # .input, not .change: a saved chat's restored preset must not reset its restored beams etc.
     preset.input(
         chat_handlers.preset_values, preset, [beams, sample, temperature, top_p, max_new_tokens], queue=False, **PRIVATE
@@ -268,7 +166,7 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, status:
 
 
 def _saved_chat_events(
-    chat: gr.ChatInterface, settings: list, contexts: gr.State, written: gr.State, visit: list
+    chat: gr.ChatInterface, settings: list, contexts: gr.State, written: gr.State, visit: list, key: str | None
 ) -> None:
     """Who the bot was in each saved chat (webui.saved_chats), in a browser-stored value beside
     ChatInterface's saved chats: stored whenever those change (each save after a reply, retry,
@@ -277,7 +175,7 @@ def _saved_chat_events(
     ``written`` what the chat's latest reply was written with (the controls may have changed
     since); ``visit`` (meter, reply records, note) starts afresh with a new or a saved chat: it
     has no last reply to measure, nor replies of this visit to rate."""
-    store = gr.BrowserState({}, storage_key=saved_chats.STORAGE_KEY)
+    store = gr.BrowserState({}, storage_key=saved_chats.STORAGE_KEY, secret=key)
     kind, context = settings[:2]
 
     def remember(conversation_id, saved, stored, latest, *values):
@@ -303,6 +201,14 @@ def _saved_chat_events(
 
     options = {"queue": False, "show_progress": "hidden", **PRIVATE}
     chat.new_chat_button.click(fresh, None, [*visit, written], **options)
+    # Which saved chat is open (ChatInterface's conversation id: None for a new chat), for the page's
+    # script to mark in the list: gradio's zebra stripes made the first row look open after a reload.
+    # A save tells it here (the id's own change event is not sent for an unqueued event's state, and
+    # a hidden component sends none); a click on a saved chat or on New chat, the script itself.
+    open_chat = gr.Number(None, visible=False, elem_id="open-chat")
+    chat.saved_conversations.change(lambda index: index, chat.conversation_id, open_chat, **options).then(
+        None, open_chat, None, js="(index) => { window.personaChatOpen = index; window.personaTidy?.(); }", **PRIVATE
+    )
     chat.chat_history_dataset.click(
         reopen,
         [chat.chat_history_dataset, chat.saved_conversations, store, contexts, context],
@@ -368,7 +274,7 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
                 label="…or a Hub model id", placeholder="user/my-blenderbot-chat", scale=2, max_length=200
             )
         # The picked model's BLEU by kind (and on held-out chat feedback), when it was saved with them.
-        scores = gr.Markdown(chat_handlers.bleu_note(picker.value), elem_id="model-bleu")
+        scores = gr.Markdown(model_scores.bleu_note(picker.value, engine.current.name), elem_id="model-bleu")
         with gr.Row():
             load = gr.Button("Load", variant="primary", elem_id="model-load")
             refresh = gr.Button("Refresh")
@@ -409,9 +315,14 @@ def _model_panel(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, 
     def picked(choice: str | None) -> str:
         # Only a listed model's results are read (the value comes from the browser).
         listed = {spec for _, spec in chat_handlers.picker_choices(runs, current=engine.current.name)}
-        return chat_handlers.bleu_note(choice) if choice in listed else ""
+        return model_scores.bleu_note(choice, serving=engine.current.name) if choice in listed else ""
 
     picker.change(picked, picker, scores, queue=False, show_progress="hidden", **PRIVATE)
+    # The banner changes when this page learns of another model (a reply written by it, opening the
+    # tab, a load): the list then shows the model serving now (it kept the one served when drawn).
+    status.change(
+        lambda: chat_handlers.refresh_models(engine, runs), None, picker, queue=False, show_progress="hidden", **PRIVATE
+    )
     refresh.click(
         lambda: chat_handlers.refresh_models(engine, runs),
         None,

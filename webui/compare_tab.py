@@ -44,18 +44,15 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, page: g
     slot.start_reaper()
     runs = train.manager.root
 
-    gr.Markdown(INTRO)
+    gr.Markdown(INTRO, elem_id="compare-intro")
     pair = gr.Markdown(handlers.pair_markdown(slot), elem_id="compare-pair")
-    with gr.Row(equal_height=True):
-        pane_a = gr.Chatbot(label="A", height=380, elem_id="compare-a", feedback_options=None)
-        pane_b = gr.Chatbot(label="B", height=380, elem_id="compare-b", feedback_options=None)
-    with gr.Row():
-        votes = tuple(
-            gr.Button(label, interactive=False, elem_id=f"compare-vote-{winner}")
-            for winner, label in handlers.VOTE_LABELS.items()
-        )
-    note = gr.Markdown(elem_id="compare-note")
-    with gr.Row():
+    # Who the bots are and the message come first, then the two replies and the vote: on a phone the
+    # message box was at ~1,340 px of an 844 px screen, under the panes and the votes, and who the
+    # bots are further down still.
+    with gr.Row(elem_id="compare-bot"):
+        bot = bot_identity.build("The bots have a…", kind_scale=2, elem_prefix="compare")  # as in the Chat tab
+        kind, context = bot.kind, bot.context
+    with gr.Row(elem_id="compare-message-row"):
         message = gr.Textbox(
             placeholder="Type a message for both models…",
             label="Message",
@@ -65,15 +62,22 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, page: g
             elem_id="compare-input",
         )
         send = gr.Button("Send", variant="primary", scale=1, elem_id="compare-send")
-        clear = gr.Button("New chat", scale=1)
-    with gr.Row():
-        bot = bot_identity.build("The bots have a…", kind_scale=2)  # as in the Chat tab
-        kind, context = bot.kind, bot.context
+        clear = gr.Button("New chat", scale=1, elem_id="compare-clear")
+    with gr.Row(equal_height=True, elem_id="compare-panes"):
+        pane_a = gr.Chatbot(label="A", height=300, elem_id="compare-a", feedback_options=None)
+        pane_b = gr.Chatbot(label="B", height=300, elem_id="compare-b", feedback_options=None)
+    with gr.Row(elem_id="compare-votes"):
+        votes = tuple(
+            gr.Button(label, interactive=False, elem_id=f"compare-vote-{winner}")
+            for winner, label in handlers.VOTE_LABELS.items()
+        )
+    note = gr.Markdown(elem_id="compare-note")
     pending = gr.State(None)  # the last reply pair to vote on (server-side: a request cannot set it)
     table = gr.Dataframe(
         pd.DataFrame(columns=handlers.TABLE_COLUMNS),
         label="Votes per pair of models (the win rate counts a tie as half a win)",
         interactive=False,
+        wrap=True,  # a model's name takes two lines rather than pushing the last columns off a phone's screen
         elem_id="compare-table",
     )
     choices = handlers.model_choices(slot, runs)

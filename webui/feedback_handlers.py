@@ -26,7 +26,9 @@ from webui import auth, chat_handlers
 
 log = logging.getLogger(__name__)
 
-HINT = "✏️ on a reply: write what the bot should have said · 👍 / 👎 rate it (a trainer reviews both)."
+# Each emoji stands next to its word (the buttons are named Edit, Like and Dislike): "👍 / 👎" alone
+# said nothing to a screen reader, nor where no emoji font draws them.
+HINT = "✏️ Edit a reply to write what the bot should have said · 👍 Like or 👎 Dislike it (a trainer reviews both)."
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ def chat_fn(engine: ChatEngine):
         index = len(history or []) + 1  # ChatInterface appends the message, then this reply
         # Records of messages after this one belong to a conversation that was cut (undo, an edit).
         kept = {i: r for i, r in (replies or {}).items() if isinstance(i, int) and i < index}
+        previous = kept[max(kept)]["model"] if kept else None  # the model of this chat's last reply
         pinned = _Pinned(engine)
         inputs = (kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed)
         banner, banner_of = None, None  # written once per model that answers, not once per streamed chunk
@@ -120,6 +123,10 @@ def chat_fn(engine: ChatEngine):
                 kept.pop(index, None)
             if banner is None or pinned.loaded is not banner_of:
                 banner, banner_of = chat_handlers.serving_markdown(engine, pinned.loaded), pinned.loaded
+            if isinstance(reply, str) and previous is not None and pinned.model not in (None, previous):
+                # Another page swapped the model mid-chat: a note after the reply says so (after it, so
+                # the reply keeps its place next to the message it answers).
+                reply = [{"role": "assistant", "content": reply}, chat_handlers.model_note(previous, pinned.model)]
             yield reply, meter, banner, dict(kept)
 
     return respond

@@ -29,9 +29,9 @@ SAVE_JS = """(data) => {
   setTimeout(() => URL.revokeObjectURL(link.href), 60000);
 }"""
 
-HELP = """Every 👍, 👎 and ✏️ correction in the chat waits here as a **pending** row. Select a row to see exactly what
-the model reads, fix the response if needed, then **Accept** it (only accepted likes and corrections are trained on:
-tick **Add accepted chat feedback** under **New run**) or **Reject** it."""
+HELP = """Every 👍 like, 👎 dislike and ✏️ correction in the chat waits here as a **pending** row. Select a row to
+see exactly what the model reads, fix the response if needed, then **Accept** it (only accepted likes and corrections
+are trained on: tick **Add accepted chat feedback** under **New run**) or **Reject** it."""
 
 
 @dataclass
@@ -99,23 +99,32 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
         pending = train.feedback_store().counts()["pending"]
         return label, counts, rows, newest, gr.update(value=f"Accept all pending ({pending})")
 
-    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, event: gr.EventData):
+    # A refusal raises gr.Error (API clients get it) and is noted for the page: each event's
+    # .failure step shows it in the panel's note (or the row's details), where the user looks.
+    noted, show_refusal = train.refusals.noted, train.refusals.show
+
+    @noted
+    def select(token: str | None, profile: gr.OAuthProfile | None, prefix, event: gr.EventData, request: gr.Request):
         row = event_fields(event).get("row_value")  # gr.EventData: see feedback_handlers.event_fields
         return handlers.details(train, token, profile, row[0] if isinstance(row, list) and row else None, prefix)
 
     def mark(status):
-        def handler(token: str | None, profile: gr.OAuthProfile | None, row_id):
+        @noted
+        def handler(token: str | None, profile: gr.OAuthProfile | None, row_id, request: gr.Request):
             return handlers.set_status(train, token, profile, row_id, status)
 
         return handler
 
-    def save(token: str | None, profile: gr.OAuthProfile | None, row_id, response):
+    @noted
+    def save(token: str | None, profile: gr.OAuthProfile | None, row_id, response, request: gr.Request):
         return handlers.save_edit(train, token, profile, row_id, response)
 
-    def accept_all(token: str | None, profile: gr.OAuthProfile | None, up_to):
+    @noted
+    def accept_all(token: str | None, profile: gr.OAuthProfile | None, up_to, request: gr.Request):
         return handlers.accept_all(train, token, profile, up_to)
 
-    def export(token: str | None, profile: gr.OAuthProfile | None):
+    @noted
+    def export(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request):
         return handlers.export_file(train, token, profile)
 
     view = [parts.panel, parts.counts, parts.table, parts.newest, parts.accept_all]
@@ -125,7 +134,7 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
         trigger(redraw, [session, parts.status], view, api_name=name, **quick)
     parts.table.select(
         select, [session, source_prefix], [parts.selected, parts.detail, parts.response], api_name="review_row", **quick
-    )
+    ).failure(show_refusal, None, parts.detail, **quick)
     one = {"concurrency_limit": 1, "concurrency_id": "review", **PRIVATE}  # one review change at a time
     row = [session, parts.selected]
     events = [
@@ -136,6 +145,7 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
     ]
     for event in events:
         event.success(redraw, [session, parts.status], view, **quick)
-    parts.export.click(export, session, [parts.download, parts.note], api_name="review_export", **one).success(
-        None, parts.download, None, js=SAVE_JS, **PRIVATE
-    )
+        event.failure(show_refusal, None, parts.note, **quick)
+    exported = parts.export.click(export, session, [parts.download, parts.note], api_name="review_export", **one)
+    exported.success(None, parts.download, None, js=SAVE_JS, **PRIVATE)
+    exported.failure(show_refusal, None, parts.note, **quick)

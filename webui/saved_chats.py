@@ -33,6 +33,7 @@ from webui import bot_identity, chat_handlers
 
 MAX_SAVED = 100  # settings are kept for the newest 100 saved chats
 STORAGE_KEY = "persona-chat-saved-chat-settings"
+CHATS_STORAGE_KEY = "persona-chat-saved-chats"  # ChatInterface's saved chats (its messages)
 
 # The generation-settings sliders' (minimum, maximum, step): the Chat tab builds them from these,
 # and a stored value outside them is not restored.

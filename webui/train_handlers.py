@@ -43,6 +43,8 @@ from finetune.memory import gpu as gpu_info
 from finetune.writes import WriteError, writing
 from webui import train_preflight
 from webui.auth import AuthConfig, AuthError, require, who
+from webui.refusals import Refusals
+from webui.train_words import command_lines, in_form_words, preview_markdown
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ class TrainTab:
     incoming: Path | None = None  # where gradio puts uploaded files (None: gradio's upload folder)
     serving: Callable[[], str] | None = None  # the chat's served model (app.py sets it), to continue from
     feedback: FeedbackStore | None = None  # the chat's feedback store (opened on first use)
+    refusals: Refusals = field(default_factory=Refusals)  # each page's last refusal, for the line it shows in
+    form_labels: dict[str, str] = field(default_factory=dict)  # FORM_FIELDS name -> its label on the form
 
     @classmethod
     def create(cls, auth: AuthConfig | None = None, runs_root: Path | str | None = None) -> TrainTab:
@@ -293,7 +297,15 @@ def _data(values: Mapping, uploads: Uploads | None) -> tuple[dict, str | None]:
 
 def spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> JobSpec:
     """The run the form describes (``values``: FORM_FIELDS name -> value); ``ValueError`` with a
-    clear message otherwise. Settings the form does not show keep the CLI's defaults."""
+    clear message otherwise, naming each setting as the form labels it. Settings the form does not
+    show keep the CLI's defaults."""
+    try:
+        return _spec_from_form(tab, values, uploads)
+    except ValueError as err:  # (includes DataError)
+        raise ValueError(in_form_words(str(err), tab.form_labels)) from None
+
+
+def _spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> JobSpec:
     if set(values) != set(FORM_FIELDS):
         missing, unknown = sorted(set(FORM_FIELDS) - set(values)), sorted(set(values) - set(FORM_FIELDS))
         raise ValueError(
@@ -337,30 +349,23 @@ def form_inputs(components: Mapping) -> dict:
 
 
 def show_command(tab: TrainTab, uploads: Uploads | None, values: Mapping) -> str:
-    """The exact command Start would run (with a placeholder for the new run's folder), or, when
-    the form describes no valid run, why not: in the command box, where the user looks."""
+    """The exact, full command Start would run (every setting given, defaults too; a placeholder
+    for the new run's folder), or, when the form describes no valid run, why not: in the command
+    box, where the user looks."""
     try:
         spec = spec_from_form(tab, values, uploads)
     except ValueError as err:  # includes DataError
         return f"# no command: {err}"
+    unset = [f.name for f in fields(spec.config) if getattr(spec.config, f.name) is None]
+    unset = [name for name in unset if name != "resume_from_checkpoint"]
     return (
         "# run from the repository root; the app runs this argument list without a shell\n"
-        + tab.manager.command_preview(spec)
+        + (f"# left unset (no value, as the CLI's help says): {', '.join(unset)}\n" if unset else "")
+        + command_lines(tab.manager.command_preview(spec))
     )
 
 
 # --------------------------------------------------------------------------- uploads
-
-
-def preview_markdown(name: str, rows: int, preview: list[str]) -> str:
-    lines = [
-        (
-            f"✅ **{name}**: {rows} rows, valid. The encoder input of the first rows, exactly as the model "
-            "reads it (before long dialogues are shortened to fit):"
-        )
-    ]
-    lines += [f"\n```text\n{text}\n```" for text in preview]
-    return "\n".join(lines)
 
 
 def upload_name(file, incoming: Path) -> str:

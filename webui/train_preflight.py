@@ -142,3 +142,61 @@ def check_start(spec: JobSpec, gpu: tuple[str, float] | None) -> None:
     refusal = assess(spec, gpu).refusal
     if refusal:
         raise memory.BatchTooLarge(refusal)
+
+
+# --------------------------------------------------------------------------- the feedback share
+
+TRAINED_RATINGS = ("like", "correction")  # the accepted rows an export trains on (FeedbackStore.export)
+HOLDOUT_EVERY = 10  # and every tenth of them held out once there are twice as many
+
+
+def feedback_mix(accepted: int, base_rows: int | None, ratio: float) -> str:
+    """The line under the feedback share: what the share makes of the accepted rows in an epoch,
+    as finetune.data.mix draws them (the smaller part repeated until both are seen once). Three
+    accepted rows at the default share became ~1,400 of ~2,800 rows, each repeated ~470 times, and
+    nothing said so. ``base_rows``: the other data's train rows, None when not known here (a Hub
+    dataset, an upload)."""
+    if accepted <= 0:
+        return "No accepted chat feedback yet: accept liked or corrected replies under **Feedback from the chat**."
+    held = accepted // HOLDOUT_EVERY if accepted >= 2 * HOLDOUT_EVERY else 0
+    rows = accepted - held
+    what = f"{rows:,} accepted row{'s' if rows != 1 else ''}" + (f" (+{held} held out to evaluate)" if held else "")
+    if ratio >= 1:
+        return f"🧮 {what}, trained on alone: each once an epoch."
+    if not base_rows:
+        return (
+            f"🧮 {what} at a share of {ratio:g}: repeated until they are {ratio:.0%} of each epoch's rows "
+            "(how often depends on the dataset's size)."
+        )
+    epoch = max(base_rows / (1 - ratio), rows / ratio)
+    feedback = ratio * epoch
+    line = (
+        f"🧮 {what} at a share of {ratio:g}: each epoch ≈ {epoch:,.0f} rows, {feedback:,.0f} of them "
+        f"feedback: each accepted row ≈ {feedback / rows:,.0f}× an epoch."
+    )
+    if feedback / rows >= 3:
+        own = rows / (rows + base_rows)
+        line += f" A share near {own:.2g} (the rows' own) trains on each about once."
+    return line
+
+
+def accepted_rows(store) -> int:
+    """How many accepted rows of ``store`` (a finetune.feedback.FeedbackStore) a run trains on."""
+    count, offset = 0, 0
+    while page := store.rows("accepted", limit=1000, offset=offset):
+        count += sum(row.rating in TRAINED_RATINGS for row in page)
+        offset += len(page)
+    return count
+
+
+def feedback_line(store, source: str | None, n_train, ratio) -> str:
+    """``feedback_mix`` for the form's values: the store's accepted rows and the sample's train rows
+    (the first ``n_train`` of them when that is set); other data sources' sizes are not known here."""
+    base = None
+    if source == "sample":
+        base = sample_rows() if not n_train or n_train <= 0 else min(int(n_train), sample_rows())
+    try:
+        share = float(ratio)
+    except (TypeError, ValueError):
+        return ""
+    return feedback_mix(accepted_rows(store), base, share) if 0 < share <= 1 else ""

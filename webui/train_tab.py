@@ -46,7 +46,7 @@ CSS = """<style>
 #   the reader has not scrolled up to read something.
 PAGE_JS = """
 const live = (tries) => {
-  const found = ["train-run", "train-action"].map((id) => document.getElementById(id));
+  const found = ["train-run", "train-action", "train-login-note"].map((id) => document.getElementById(id));
   found.forEach((el) => { if (el) { el.setAttribute("role", "status"); el.setAttribute("aria-live", "polite"); } });
   if (found.some((el) => !el) && tries > 0) setTimeout(() => live(tries - 1), 200);
 };
@@ -110,6 +110,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         )
         login = gr.Button("Log in", scale=1, elem_id="train-login")
         logout = gr.Button("Log out", scale=1)
+    # Why a login was refused ("Wrong password.", how long a lockout lasts), where the user looks.
+    login_note = gr.Markdown(elem_id="train-login-note")
     if train.auth.oauth:
         gr.LoginButton()
     gr.Markdown(handlers.hardware_note(train.gpus))
@@ -159,6 +161,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 elem_id="train-feedback-ratio",
                 **locked,
             )
+        # What the share makes of the accepted rows in an epoch (how many times each is repeated).
+        mix = gr.Markdown(visible=defaults["use_feedback"], elem_id="train-feedback-mix")
         with gr.Row(visible=False) as upload_row:
             train_file = gr.File(
                 label="Training file (.jsonl/.json/.csv/.parquet)",
@@ -175,25 +179,15 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         preview = gr.Markdown(elem_id="train-preview", visible=False)  # an upload's rows, or why it was refused
         with gr.Row(elem_classes="train-pair"):
             form["n_train"] = gr.Number(
-                defaults["n_train"],
-                precision=0,
-                minimum=0,
-                label="Train rows (0 = all)",
-                elem_id="train-n-train",
-                **locked,
+                defaults["n_train"], precision=0, label="Train rows (0 = all)", elem_id="train-n-train", **locked
             )
             form["n_val"] = gr.Number(
-                defaults["n_val"],
-                precision=0,
-                minimum=0,
-                label="Validation rows (0 = all)",
-                elem_id="train-n-val",
-                **locked,
+                defaults["n_val"], precision=0, label="Validation rows (0 = all)", elem_id="train-n-val", **locked
             )
             form["num_train_epochs"] = gr.Number(
-                defaults["num_train_epochs"], precision=0, minimum=1, label="Epochs", elem_id="train-epochs", **locked
+                defaults["num_train_epochs"], precision=0, label="Epochs", elem_id="train-epochs", **locked
             )
-            form["learning_rate"] = gr.Number(defaults["learning_rate"], minimum=0, label="Learning rate", **locked)
+            form["learning_rate"] = gr.Number(defaults["learning_rate"], label="Learning rate", **locked)
         with gr.Accordion("More settings: batches, lengths, strategy, logging, Hub", open=False, elem_id="train-more"):
             with gr.Row(elem_classes="train-pair"):
                 form["per_device_train_batch_size"] = gr.Textbox(
@@ -205,13 +199,13 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                     **locked,
                 )
                 form["per_device_eval_batch_size"] = gr.Number(
-                    defaults["per_device_eval_batch_size"], precision=0, minimum=1, label="Eval batch", **locked
+                    defaults["per_device_eval_batch_size"], precision=0, label="Eval batch", **locked
                 )
                 form["max_source_length"] = gr.Number(
-                    defaults["max_source_length"], precision=0, minimum=1, label="Max source tokens", **locked
+                    defaults["max_source_length"], precision=0, label="Max source tokens", **locked
                 )
                 form["max_target_length"] = gr.Number(
-                    defaults["max_target_length"], precision=0, minimum=1, label="Max target tokens", **locked
+                    defaults["max_target_length"], precision=0, label="Max target tokens", **locked
                 )
                 form["source_prefix"] = gr.Textbox(
                     defaults["source_prefix"], label="Source prefix", max_length=100, **locked
@@ -247,20 +241,18 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 form["checkpointing_steps"] = gr.Number(
                     defaults["checkpointing_steps"],
                     precision=0,
-                    minimum=0,
                     label="Checkpoint every N steps (0 = each epoch)",
                     **locked,
                 )
                 form["logging_steps"] = gr.Number(
                     defaults["logging_steps"],
                     precision=0,
-                    minimum=1,
                     label="Log loss every N steps",
                     elem_id="train-logging",
                     **locked,
                 )
                 form["num_beams"] = gr.Number(
-                    defaults["num_beams"], precision=0, minimum=1, label="Eval beams", elem_id="train-beams", **locked
+                    defaults["num_beams"], precision=0, label="Eval beams", elem_id="train-beams", **locked
                 )
             with gr.Row(elem_classes="train-pair"):
                 form["push_to_hub"] = gr.Checkbox(defaults["push_to_hub"], label="Push to the Hub when done", **locked)
@@ -273,6 +265,10 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 )
                 form["hub_private"] = gr.Checkbox(defaults["hub_private"], label="Private repo", **locked)
     form_inputs = handlers.form_inputs(form)  # passed by name (inputs_kwargs), in FORM_FIELDS order for API clients
+    # The numbers have no gradio minimum: gradio's own check refused with "Value -1 is less than minimum
+    # value 1." (no field named) and a traceback in the log. The run's spec checks every value and
+    # its messages name the field as the form labels it (train_handlers.in_form_words).
+    train.form_labels = {name: component.label for name, component in form.items()}
 
     # What the run will need (memory per GPU, time per epoch), and why Start will refuse a batch too big.
     estimate = gr.Markdown(
@@ -288,7 +284,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     action = gr.Markdown(elem_id="train-action")
     # Hidden until Show command fills it: empty, it was a tall blank box above the run (~200 px on a phone).
     command = gr.Code(
-        language="shell",
+        language=None,  # plain: the shell highlighting drew flags at 1.56:1 and values at 2-2.84:1 on white
         label="Command",
         interactive=False,
         lines=2,
@@ -347,10 +343,14 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     unlocked += [start, stop, resume, push_repo, push_private, push]
 
     # ---- events: each handler checks the login itself (train_handlers / webui.auth)
+    # A refusal raises gr.Error (what API clients get) and is noted for the page: each event's
+    # .failure step shows it in the line under its buttons (webui.refusals).
+    noted, show_refusal = train.refusals.noted, train.refusals.show
+
+    @noted
     def do_login(token, typed, request: gr.Request):
         with handlers.explained("log in"):
-            token, message = auth.login(train.auth, typed, train.auth.client(request))
-        gr.Info(message)
+            token, _ = auth.login(train.auth, typed, train.auth.client(request))
         return token, auth.login_markdown(train.auth, token), ""
 
     def do_logout(token):
@@ -363,28 +363,33 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
 
         return handler
 
-    def do_start(token: str | None, profile: gr.OAuthProfile | None, current, **values):
+    @noted
+    def do_start(token: str | None, profile: gr.OAuthProfile | None, current, request: gr.Request, **values):
         return handlers.start_run(train, token, profile, current, values)
 
     def do_show(current, **values):
         return handlers.show_command(train, current, values)
 
-    def do_stop(token: str | None, profile: gr.OAuthProfile | None):
+    @noted
+    def do_stop(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request):
         return handlers.stop_run(train, token, profile)
 
-    def do_resume(token: str | None, profile: gr.OAuthProfile | None):
+    @noted
+    def do_resume(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request):
         return handlers.resume_run(train, token, profile)
 
-    def do_push(token: str | None, profile: gr.OAuthProfile | None, repo, is_private):
+    @noted
+    def do_push(token: str | None, profile: gr.OAuthProfile | None, repo, is_private, request: gr.Request):
         return handlers.push_run(train, token, profile, repo, is_private)
 
     one_at_a_time = {"concurrency_limit": 1, "concurrency_id": "train"}
+    quiet = {"queue": False, "show_progress": "hidden", **PRIVATE}
     for trigger in (login.click, password.submit):
         # Not queued: a flood of wrong passwords takes no place in the queue that chat replies use,
         # and a refused login returns at once (auth.Throttle), holding nothing.
-        trigger(
-            do_login, [session, password], [session, auth_md, password], api_name="train_login", queue=False, **PRIVATE
-        )
+        attempt = trigger(do_login, [session, password], [session, auth_md, password], api_name="train_login", **quiet)
+        attempt.success(lambda: "", None, login_note, **quiet)
+        attempt.failure(show_refusal, None, login_note, **quiet)
     logout.click(do_logout, session, [session, auth_md], api_name="train_logout", queue=False, **PRIVATE)
     for file, which in ((train_file, "train"), (val_file, "validation")):
         for trigger in (file.upload, file.clear):
@@ -412,6 +417,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             do_push, [session, push_repo, push_private], action, api_name="train_push", **one_at_a_time, **PRIVATE
         ),
     ]
+    for event in actions:  # a refusal replaces what the last action said ("Started run …")
+        event.failure(show_refusal, None, action, **quiet)
     show.click(lambda: gr.update(visible=True), None, command, queue=False, show_progress="hidden", **PRIVATE).then(
         do_show, uploads, command, inputs_kwargs=form_inputs, api_name="train_command", queue=False, **PRIVATE
     )
@@ -427,6 +434,19 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         [form["use_feedback"], form["model_name_or_path"]],
         [form["feedback_ratio"], form["model_name_or_path"], form["learning_rate"]],
         queue=False,
+        **PRIVATE,
+    )
+    mix_fields = [form[name] for name in ("use_feedback", "data_source", "n_train", "feedback_ratio")]
+    gr.on(
+        [field.change for field in mix_fields],
+        lambda checked, source, n_train, ratio: gr.update(
+            visible=bool(checked),
+            value=preflight.feedback_line(train.feedback_store(), source, n_train, ratio) if checked else "",
+        ),
+        mix_fields,
+        mix,
+        queue=False,
+        show_progress="hidden",
         **PRIVATE,
     )
     review_tab.connect(review, train, session, form["source_prefix"])

@@ -81,20 +81,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def training_args(config: TrainConfig) -> list[str]:
+def training_args(config: TrainConfig, full: bool = False) -> list[str]:
     """The CLI flags that give back ``config``: ``parse_args(training_args(config)) == config``.
 
-    Every field whose value differs from its default becomes its flag, in TrainConfig's order
-    (output_dir and resume last); booleans as ``--flag`` / ``--flag false``; a value that starts
-    with "-" as one token ``--name=value``, so argparse never takes it for an option (a source
-    prefix may start with one). A value no flag can give (None where the default is not) is a
-    ValueError."""
+    Every field whose value differs from its default becomes its flag (with ``full``, every field
+    that has a value, defaults too: the command then says every setting, as a run's command
+    does), in TrainConfig's order (output_dir and resume last); booleans as ``--flag`` / ``--flag
+    false``; a value that starts with "-" as one token ``--name=value``, so argparse never takes
+    it for an option (a source prefix may start with one). None is no flag's value: a field left
+    unset stays unset, and one set to None where the default is not is a ValueError."""
     fields = sorted(dataclasses.fields(TrainConfig), key=lambda f: f.name in _LAST)  # stable: order kept
     args = []
     for f in fields:
         value = getattr(config, f.name)
         default = getattr(config, _DERIVED[f.name]) if f.name in _DERIVED else f.default
-        if value == default:
+        if value == default and not (full and value is not None):
             continue
         if isinstance(f.default, bool):
             args += [f"--{f.name}"] if value else [f"--{f.name}", "false"]
@@ -119,7 +120,8 @@ def run_config(spec: JobSpec, run_dir: Path, resume: bool = False) -> TrainConfi
 
 def build_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list[str]:
     """The argument list that runs ``spec`` into ``run_dir`` (to run with cwd = the repository
-    root), with ``--resume_from_checkpoint latest`` when resuming."""
+    root), with ``--resume_from_checkpoint latest`` when resuming. Every setting is a flag, the
+    defaults too: Show command prints this, and a reader sees every value the run uses."""
     if spec.num_gpus == 0:
         config, processes = CPU_CONFIG, cpu_processes()
     else:
@@ -138,7 +140,7 @@ def build_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list[st
         str(free_port()),
         "-m",
         "finetune",
-        *training_args(run_config(spec, run_dir, resume)),
+        *training_args(run_config(spec, run_dir, resume), full=True),
     ]
 
 

@@ -149,7 +149,23 @@ def test_short_targets_lower_the_generation_minimum(tmp_path):
     argv = build_command(spec(max_target_length=8), tmp_path)
     cfg = parse_args(launcher_args(argv).training_script_args)
     assert cfg.val_min_target_length == 8 and cfg.val_max_target_length == 8
-    assert "--val_min_target_length" in argv and "--val_max_target_length" not in argv  # derived: no flag
+    # A run's command gives every setting (Show command prints it): the derived maximum too.
+    assert argv[argv.index("--val_max_target_length") + 1] == argv[argv.index("--val_min_target_length") + 1] == "8"
+    flags = training_args(run_config(spec(max_target_length=8), tmp_path))  # only the changes:
+    assert "--val_min_target_length" in flags and "--val_max_target_length" not in flags  # derived, no flag
+
+
+def test_a_runs_command_gives_every_setting(tmp_path):
+    """Show command (and the run) left out the flags at their defaults: a reader could not see the
+    CLI's num_beams 10 or val_min_target_length 20. Every field with a value is a flag now."""
+    cfg = run_config(spec(), tmp_path)
+    full = training_args(cfg, full=True)
+    given = {arg.split("=")[0][2:] for arg in full if arg.startswith("--")}
+    assert given == {f.name for f in dataclasses.fields(TrainConfig) if getattr(cfg, f.name) is not None}
+    assert parse_args(full) == cfg
+    assert full[full.index("--num_beams") + 1] == "4" and "--fast_ngram_blocking" in full
+    assert full[full.index("--pad_to_max_length") + 1] == "false"  # a false boolean, said
+    assert launcher_args(build_command(spec(), tmp_path)).training_script_args == full
 
 
 def test_flags_are_only_the_changes(tmp_path):

@@ -10,10 +10,12 @@ import sys
 import time
 
 import pytest
+import torch
 from jobs_helpers import settled, spec, wait_for
 from test_jobs_status import failed_run
 
 from chat.layout import ROOT
+from finetune import parts
 from finetune.jobs.manager import RunManager
 from finetune.jobs.status import RunStatus, status_of
 from finetune.parts import TrainingError, check_compiler
@@ -21,9 +23,15 @@ from finetune.parts import TrainingError, check_compiler
 TINY = {"n_val": 8, "num_beams": 1, "val_min_target_length": 2, "logging_steps": 2}
 
 
-def test_real_run_writes_phases_and_a_quiet_log(tiny_path, roots):
+def test_real_run_writes_phases_and_a_quiet_log(tiny_path, roots, monkeypatch):
     runs, _ = roots
     manager = RunManager(runs)
+    # What the run's phases say depends on whether this machine has built DeepSpeed's CPU
+    # communication op yet (the first CPU run builds it, about a minute): asked here, as the run's
+    # main process will. (The CPU recipe trains with torch's AdamW: no CPU Adam op to build.)
+    with monkeypatch.context() as env:
+        env.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        connecting = parts.connecting_phase()
     run_id = manager.start(spec(**TINY, n_train=64, max_train_steps=4)).run_id
     status = wait_for(manager, run_id, settled)
     assert status.state == "finished", status.error or status.log_tail
@@ -32,14 +40,10 @@ def test_real_run_writes_phases_and_a_quiet_log(tiny_path, roots):
     names = [e["event"] for e in events]
     phases = [e["phase"] for e in events if e["event"] == "phase"]
     assert names.index("start") == len(phases)  # every phase comes before the start, once (main process)
-    assert phases == [
-        "loading the tokenizer",
-        "loading data",
-        "connecting the processes",
-        "tokenizing",
-        "loading the model",
-        "preparing DeepSpeed (builds its CPU op the first time)",
-    ]
+    if connecting.startswith("building"):  # the two processes race to build it: "or waiting" may be said
+        connecting = phases[2] if phases[2].startswith("building DeepSpeed's CPU communication op") else connecting
+    assert phases[:5] == ["loading the tokenizer", "loading data", connecting, "tokenizing", "loading the model"]
+    assert phases[5:] == ["preparing DeepSpeed"], phases
     log = (run_dir / "train.log").read_text()
     assert log.count("Setting accelerator to CPU") <= 1, log
     assert "OMP_NUM_THREADS" not in log and "FutureWarning" not in log, log
@@ -160,3 +164,28 @@ def test_the_entry_point_lets_the_cuda_allocator_grow_segments_unless_configured
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage: python -m finetune" in proc.stdout  # the real CLI ran
     assert proc.stdout.strip().splitlines()[-1] == (preset or "expandable_segments:True")
+
+
+def test_the_phase_line_says_when_deepspeed_builds_its_cpu_ops(tmp_path, monkeypatch):
+    """The first CPU run on a machine spent ~55 s in "connecting the processes" while DeepSpeed
+    compiled its shared-memory op: the phase says what is really happening, and only then; and a
+    build folder locked by an interrupted build (every later run waits on it) is named."""
+    if torch.cuda.is_available():
+        pytest.skip("DeepSpeed builds these ops on CPU runs only")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty extension cache: nothing built
+    assert parts.cpu_op_state("connect") == parts.cpu_op_state("prepare") == "unbuilt"
+    assert parts.connecting_phase().startswith("building DeepSpeed's CPU communication op (the first CPU run")
+    assert not list(tmp_path.iterdir())  # asking makes nothing (torch's own helper made the folder)
+    for name in ("deepspeed_shm_comm", "cpu_adam"):  # what torch's extension cache holds once they are built
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.so").write_bytes(b"")
+    assert parts.cpu_op_state("connect") == parts.cpu_op_state("prepare") == "built"
+    assert parts.connecting_phase() == "connecting the processes"
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_bytes(b"")  # torch's build lock, left by a killed build
+    assert parts.cpu_op_state("connect") == "locked"
+    said = parts.connecting_phase()
+    assert said.startswith("building DeepSpeed's CPU communication op, or waiting while another process builds it")
+    assert f"{tmp_path}/deepspeed_shm_comm/lock`: delete that file" in said
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")  # not a DeepSpeed run: nothing to build
+    assert parts.cpu_op_state("connect") is None and parts.connecting_phase() == "connecting the processes"

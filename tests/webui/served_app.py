@@ -20,19 +20,27 @@ class App:
     """A launched app with its own runs root, data root and engine; ``api_config``: the API's
     settings (``api.ApiConfig``; default: from the environment, as the app reads them)."""
 
-    def __init__(self, root: Path, config: auth.AuthConfig, api_config=None):
+    def __init__(
+        self, root: Path, config: auth.AuthConfig, api_config=None, port: int | None = None, as_started: bool = False
+    ):
+        """``port``: a given one (a restart keeps the address, and with it the browsers' storage);
+        ``as_started``: the served model chosen as ``python app.py`` chooses it (app.start_engine:
+        the one a trainer loaded before a restart), else the demo model."""
         import app
 
         self.runs, self.data = root / "runs", root / "uploads"
         self.saved = {k: os.environ.get(k) for k in ("PERSONA_CHAT_RUNS", "PERSONA_CHAT_DATA")}
         os.environ.update(PERSONA_CHAT_RUNS=str(self.runs), PERSONA_CHAT_DATA=str(self.data))
         # Loaded as the app loads (chat.engine.load_apart), not in the test's long-lived thread.
-        self.engine = ChatEngine(load_apart(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
+        if as_started:
+            self.engine = app.start_engine()
+        else:
+            self.engine = ChatEngine(load_apart(str(DEMO_DIR), optimize="none"), f"serving {DEMO_DIR}")
         self.tab = train_handlers.TrainTab.create(auth=config, runs_root=self.runs)
         self.demo = app.build_demo(self.engine, self.tab)
         options = app.launch_options(self.engine, config.behind_proxy, api_config)
         _, self.url, _ = self.demo.launch(
-            server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **options
+            server_name="127.0.0.1", server_port=port or free_port(), prevent_thread_lock=True, quiet=True, **options
         )
 
     def close(self):

@@ -259,7 +259,7 @@ def test_model_choices_lists_base_demo_and_finished_runs_newest_first(tmp_path):
     assert served[0] == ("user/other (serving)", "user/other") and len(served) == 5
     assert chat_handlers.picker_choices(tmp_path / "missing", base="b/base", current=str(DEMO_DIR)) == [
         ("b/base (base model)", "b/base"),
-        ("demo model (tiny, bundled) · BLEU 60.0", str(DEMO_DIR)),  # its all_results.json
+        (f"demo model (tiny, bundled) · BLEU {chat_handlers.model_bleu(str(DEMO_DIR)):.1f}", str(DEMO_DIR)),
     ]
 
 
@@ -359,19 +359,32 @@ def test_load_model_keeps_serving_on_failure(fresh_engine, tiny_path, tmp_path):
 
 
 def test_a_worse_model_needs_a_second_load(fresh_engine, tiny_path, tmp_path):
-    """The demo model scored BLEU ~60 on the sample; a run that scored less is loaded only when asked twice."""
+    """A run that scored less than the serving demo model, measured the same way, is loaded only when
+    asked twice; one measured another way is not compared (finetune.measure)."""
     runs = tmp_path / "runs"
     weak = runs / "weak" / "final"
     shutil.copytree(tiny_path, weak)
-    (weak / "all_results.json").write_text('{"eval_bleu": 1.7}')
+    demo = json.loads((DEMO_DIR / "all_results.json").read_text())
+    (weak / "all_results.json").write_text(json.dumps({"eval_bleu": 1.7, "eval_measure": demo["eval_measure"]}))
     labels = dict((spec, label) for label, spec in chat_handlers.picker_choices(runs, base="b/base"))
-    assert "BLEU 1.7" in labels[str(weak)] and "BLEU 60.0" in labels[str(DEMO_DIR)]  # every local model shows it
+    served = f"{demo['eval_bleu']:.1f}"
+    assert "BLEU 1.7" in labels[str(weak)] and f"BLEU {served}" in labels[str(DEMO_DIR)]  # every local model's
     before = fresh_engine.current
     ((note, pending),) = list(chat_handlers.load_model(fresh_engine, str(weak), "", runs))
-    assert "BLEU 1.7" in note and "below the serving model's 60.0" in note and pending == str(weak)
+    assert "BLEU 1.7" in note and f"below the serving model's {served}" in note and pending == str(weak)
+    assert "(both on all of the sample's validation split; beams 4, length 20-64" in note
     assert fresh_engine.current is before
     steps = list(chat_handlers.load_model(fresh_engine, str(weak), "", runs, confirmed=pending))
     assert steps[-1][0].startswith("✅ Now serving") and fresh_engine.current.name == str(weak)
+    # Measured another way (a minimum length of 1): not compared, loaded at once, and said so.
+    fresh_engine.swap(str(DEMO_DIR))
+    other = {**demo["eval_measure"], "val_min_target_length": 1}
+    (weak / "all_results.json").write_text(json.dumps({"eval_bleu": 1.7, "eval_measure": other}))
+    labels = dict((spec, label) for label, spec in chat_handlers.picker_choices(runs, current=str(DEMO_DIR)))
+    assert labels[str(weak)].startswith("weak/final · BLEU 1.7 (measured otherwise) · ")
+    steps = list(chat_handlers.load_model(fresh_engine, str(weak), "", runs))
+    assert steps[-1][0].startswith("✅ Now serving weak/final. (Its BLEU 1.7 and the previous model's")
+    assert "measured differently" in steps[-1][0] and fresh_engine.current.name == str(weak)
 
 
 # --------------------------------------------------------------------------- app.py and README
@@ -393,8 +406,11 @@ def test_blocks_wiring(engine):
     assert labels[:3] == ["The bot has a…", "Persona", "Preset"]
     assert chat.additional_inputs[0].choices == [tuple(c) for c in chat_handlers.KIND_CHOICES]
     assert chat.cache_examples is False and chat.api_visibility == "private"
-    assert chat.run_examples_on_click and not chat._additional_inputs_in_examples  # a click sends the example
-    assert [e["display_text"] for e in chat.examples_messages] == chat_handlers.EXAMPLE_LABELS
+    # The examples are the chatbot's (a click sets the kind and context, then sends: chat_tab.SEND_JS),
+    # not ChatInterface's, whose click sent the message with the kind and context the page had before.
+    assert not chat.examples_messages and not chat._additional_inputs_in_examples
+    assert [e["display_text"] for e in chat.chatbot.examples] == chat_handlers.EXAMPLE_LABELS
+    assert [e["text"] for e in chat.chatbot.examples] == [m for m, _, _ in chat_handlers.EXAMPLES]
     assert chat.textbox.label == "Message" and chat.textbox.elem_id == "chat-input"
     public = [d for d in demo.fns.values() if d.api_visibility == "public"]
     assert [d.api_name for d in public] == ["chat"]
@@ -585,6 +601,7 @@ def start_app_py(tmp_path, **env_changes) -> tuple[float, list[str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("CHAT_MODEL", "PERSONA_CHAT_RUNS", "HF_HUB_OFFLINE")}
     env.update(
         HF_HOME=str(tmp_path / "hf"),
+        PERSONA_CHAT_STATE=str(tmp_path / "state"),  # a first start: no key, no model chosen before
         GRADIO_SERVER_NAME="127.0.0.1",
         GRADIO_SERVER_PORT=str(port),
         GRADIO_ANALYTICS_ENABLED="False",
@@ -630,8 +647,10 @@ def test_python_app_py_without_the_hub_serves_the_demo_model_at_once(tmp_path):
     no_hub, lines = start_app_py(tmp_path / "b", HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
     text = "".join(lines)
     assert "retry" not in text.lower() and "Retrying" not in text, text
-    assert len([line for line in lines if "falling back to the demo model" in line]) == 1, text
-    assert "cannot be reached" in text
+    (said,) = [line for line in lines if "demo model" in line]  # one line says why, and nothing else does
+    assert "falling back to the demo model" in said and "cannot be reached" in said and "CHAT_MODEL" in said
+    assert "--model_name_or_path" not in text  # a training flag is no advice for the app
+    assert "Loading weights" not in text and "%|" not in text and "httpx" not in text, text  # no bars, no noise
     print(f"python app.py ready in {offline:.1f} s offline, {no_hub:.1f} s without a Hub")
     assert no_hub < offline + 10, (offline, no_hub)  # the back-off alone was 30 s
 

@@ -229,11 +229,10 @@ def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, uploa
 
     # the Chat tab: Refresh, then Load the new checkpoint (a logged-in action), then chat with it
     caller("refresh_models")
-    # The new run scored below the demo model (BLEU ~60 on the sample): the first Load warns, a second loads.
-    warned = caller("load_model", final, "")
-    assert "below the serving model's" in warned and "Load** again" in warned
-    assert locked.engine.current.name != final
-    assert caller("load_model", final, "").startswith("✅ Now serving")
+    # The run evaluated 8 rows with 1 beam, the demo model all 187 with 4: the figures are not compared
+    # (the guard against a worse model asked for a second Load after every retrain), the Load serves it.
+    loaded = caller("load_model", final, "")
+    assert loaded.startswith("✅ Now serving") and "measured differently" in loaded, loaded
     assert locked.engine.current.name == final
     assert caller.client.predict("hi! how are you?", "none", "", api_name="/chat").strip()
     # a push needs the Hub: offline it fails with the reason, and the app keeps serving

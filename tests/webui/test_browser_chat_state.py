@@ -6,7 +6,7 @@ chromium through Playwright) on a desktop (1366x900) and on a phone (390x844):
 - a model swapped on one page (a logged-in trainer's Load) is named in another page's serving banner
   by its next reply, and on opening its Chat tab, without a reload;
 - the model picker shows every model's validation BLEU (the demo model's too), and a model that
-  scored below the serving one is loaded only after a warning and a second Load.
+  scored below the serving one (measured alike) is loaded only after a warning and a second Load.
 
 Screenshots: in ``$PERSONA_CHAT_SCREENSHOTS`` if set, else a pytest temporary folder (printed).
 """
@@ -34,9 +34,10 @@ CHEF = "I am a chef who loves spicy food."
 def served(tmp_path_factory):
     app = App(tmp_path_factory.mktemp("browser-chat-state"), auth.AuthConfig(password=PASSWORD))
     shutil.copytree(DEMO_DIR, app.runs / "second" / "final")  # a finished run the model picker lists
-    worse = app.runs / "worse" / "final"  # and one that scored far below the demo model
+    worse = app.runs / "worse" / "final"  # and one that scored far below the demo model, measured alike
     shutil.copytree(DEMO_DIR, worse)
-    (worse / "all_results.json").write_text(json.dumps({"eval_bleu": 1.7}))
+    measure = json.loads((DEMO_DIR / "all_results.json").read_text())["eval_measure"]
+    (worse / "all_results.json").write_text(json.dumps({"eval_bleu": 1.7, "eval_measure": measure}))
     yield app
     app.close()
 
@@ -226,14 +227,15 @@ def test_the_picker_shows_bleu_and_warns_before_a_worse_model(open_page, served)
         page.get_by_role("button", name=re.compile("^Model")).click()
     page.locator("#model-picker input").click()
     options = page.get_by_role("option")
-    expect(options.filter(has_text="demo model")).to_contain_text("BLEU 60.0")
+    demo = f"{chat_handlers.model_bleu(str(DEMO_DIR)):.1f}"
+    expect(options.filter(has_text="demo model")).to_contain_text(f"BLEU {demo}")
     expect(options.filter(has_text="worse/final")).to_contain_text("BLEU 1.7")
     page.shot("6-picker-with-bleu")
     options.filter(has_text="worse/final").click()
     note, banner = page.locator("#model-load-note"), page.locator("#serving-status")
     try:
         page.locator("#model-load").click()
-        expect(note).to_contain_text("scored BLEU 1.7 on its validation data, below the serving model's 60.0")
+        expect(note).to_contain_text(f"scored BLEU 1.7 on its validation data, below the serving model's {demo}")
         expect(note).to_contain_text("Press Load again")
         expect(banner).to_contain_text("Serving demo model")  # nothing swapped yet
         page.shot("7-worse-model-warning")

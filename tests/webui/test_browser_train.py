@@ -249,7 +249,7 @@ def test_show_command_refusals_say_why_in_the_command_box(page):
     assert not badges(page, "#train-command", "#train-show-command"), badges(page, "#train-command")
     page.get_by_role("radio", name="DeepSpeed ZeRO-2").check()
     page.locator("#train-show-command").click()
-    expect(command).to_contain_text("-m finetune --model_name_or_path tiny")
+    expect(command).to_contain_text("-m finetune \\ --model_name_or_path tiny \\")  # one flag a line
     expect(command).to_contain_text("--per_device_train_batch_size auto")  # the box's default, to the CLI
 
 

@@ -52,8 +52,12 @@ def say(engine, message, history, replies, kind="persona", context=PERSONA):
     """One exchange as ChatInterface runs it: the history it keeps, and the page's reply records."""
     out = list(feedback_handlers.chat_fn(engine)(message, history, kind, context, *SETTINGS, replies))
     reply, _, _, replies = out[-1]
-    shown = reply if isinstance(reply, dict) else {"role": "assistant", "content": reply}
-    return [*history, {"role": "user", "content": message}, shown], replies
+    shown = [{"role": "assistant", "content": m} if isinstance(m, str) else m for m in as_list(reply)]
+    return [*history, {"role": "user", "content": message}, *shown], replies
+
+
+def as_list(reply) -> list:
+    return reply if isinstance(reply, list) else [reply]
 
 
 def texts(history) -> list[str]:
@@ -232,6 +236,32 @@ def test_the_model_that_answered_is_recorded_not_the_one_serving_at_rating_time(
     assert [r.model for r in store.rows()] == [str(DEMO_DIR), str(other)]
 
 
+def test_a_model_swapped_mid_chat_is_said_in_the_chat(demo_model, store, tmp_path):
+    """A conversation went on with another model (a trainer's Load on another page) without a word:
+    the first reply of the new model is followed by a note, which the model never reads and nobody
+    rates, and the reply keeps its place (its rating and the next turns are as before)."""
+    other = tmp_path / "runs" / "second" / "final"
+    shutil.copytree(DEMO_DIR, other)
+    engine = ChatEngine(demo_model, "serving demo")
+    history, replies = say(engine, "hi", [], {})
+    engine.swap(str(other))
+    history, replies = say(engine, "and you?", history, replies)
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant", "assistant"]
+    note = history[-1]
+    assert note["metadata"]["title"] == "ℹ️ The model changed: now second/final" and chat_handlers.is_notice(note)
+    assert "came from demo model (tiny, bundled); second/final answers from here on" in note["content"]
+    assert replies[3]["model"] == str(other) and 4 not in replies
+    turns = chat_handlers.history_to_turns(history)
+    assert turns == [history[0]["content"], history[1]["content"], "and you?", history[3]["content"]]
+    history, replies = say(engine, "what now?", history, replies)  # the same model again: no note
+    assert len(history) == 7 and not chat_handlers.is_notice(history[-1])
+    assert chat_handlers.history_to_turns(history)[-2:] == ["what now?", history[-1]["content"]]
+    feedback_handlers.like(visitor(), history, replies, 3, True, store)  # the reply before the note
+    assert [(r.model, r.turns[-1]) for r in store.rows()] == [(str(other), "and you?")]
+    note, _ = feedback_handlers.like(visitor(), history, replies, 4, True, store)
+    assert note.startswith("⚠️ Not saved") and "note from the app" in note
+
+
 def test_the_banner_names_the_model_that_wrote_the_reply(demo_model, tmp_path):
     """A page open while another page swaps the model sees the new one named with its next reply."""
     other = tmp_path / "runs" / "second" / "final"
@@ -264,8 +294,9 @@ def test_model_names_shown_in_the_chat_are_not_server_paths(demo_model, tmp_path
     choices = chat_handlers.picker_choices(tmp_path / "runs", base=base, current=str(tmp_path / "gone" / "final"))
     labels = [label for label, _ in choices]
     assert [spec for _, spec in choices] == [str(tmp_path / "gone" / "final"), base, str(DEMO_DIR), str(run)]
-    assert labels[:3] == ["gone/final (serving)", "base-bot (base model)", "demo model (tiny, bundled) · BLEU 60.0"]
-    assert labels[3].startswith("my-run/final · BLEU 60.0 · ")
+    bleu = f"BLEU {chat_handlers.model_bleu(str(DEMO_DIR)):.1f}"
+    assert labels[:3] == ["gone/final (serving)", "base-bot (base model)", f"demo model (tiny, bundled) · {bleu}"]
+    assert labels[3].startswith(f"my-run/final · {bleu} · ")
     assert not any(str(tmp_path) in label or str(DEMO_DIR) in label for label in labels)
     engine = ChatEngine(demo_model, "serving demo")
     steps = list(chat_handlers.load_model(engine, str(run), "", tmp_path / "runs"))

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -22,13 +23,13 @@ from write_faults import read_only
 from chat.engine import DEFAULT_MODEL, DEMO_DIR
 from finetune import checkpoint as ckpt
 from finetune import memory
-from finetune.config import TrainConfig
+from finetune.config import TrainConfig, parse_args
 from finetune.jobs import paths
 from finetune.jobs import uploads as jobs_uploads
 from finetune.jobs.manager import RunManager
 from finetune.jobs.spec import JobSpec, app_config
 from finetune.jobs.status import RunStatus
-from webui import train_handlers, train_preflight, train_view
+from webui import train_handlers, train_preflight, train_view, train_words
 from webui import uploads as webui_uploads
 from webui.auth import AuthConfig
 
@@ -198,10 +199,21 @@ def test_show_command_is_the_run_managers_command_and_needs_no_login(tab):
     port = "--main_process_port"
 
     def strip(text):  # the port is fresh each time
-        return [w for w in text.split() if not w.isdigit()]
+        return [w for w in shlex.split(text) if not w.isdigit()]
 
-    assert strip(shown.splitlines()[-1]) == strip(expected) and port in shown
-    assert "-m finetune --model_name_or_path tiny --dataset_name sample --n_train 50" in shown
+    command = " ".join(line.removesuffix("\\") for line in shown.splitlines() if not line.startswith("#"))
+    assert strip(command) == strip(expected) and port in shown  # the same command, one flag a line
+    assert "\n  -m finetune \\\n  --model_name_or_path tiny \\\n  --dataset_name sample \\" in shown
+    # The exact full command: every setting the run uses is a flag, the defaults too (the CLI's
+    # num_beams 10 and val_min_target_length 20 were not shown), and what is left unset is said.
+    cfg = parse_args(shlex.split(command)[shlex.split(command).index("finetune") + 1 :])
+    assert cfg == dataclasses.replace(spec.config, output_dir=cfg.output_dir)
+    for f in dataclasses.fields(TrainConfig):
+        given = f"--{f.name} " in command or command.rstrip().endswith(f"--{f.name}") or f"--{f.name}=" in command
+        assert given == (getattr(spec.config, f.name) is not None or f.name == "output_dir"), f.name
+    assert "--val_min_target_length 20" in command and "--no_repeat_ngram_size 3" in command
+    unset = next(line for line in shown.splitlines() if line.startswith("# left unset"))
+    assert "n_val" in unset and "max_train_steps" in unset and "resume_from_checkpoint" not in unset
     # A form that describes no valid run: the reason, in the command box itself (not a bare "Error" badge).
     refused = train_handlers.show_command(tab, None, form(tab, data_source="upload"))
     assert refused.startswith("# no command: ") and "upload a training file first" in refused
@@ -787,3 +799,54 @@ def test_the_plots_axes_fit_the_run_and_never_show_a_lone_value(tab):
     assert train_view.values_axis(train_view.bleu_frame(two), "bleu") == [0, 1]  # BLEU: from 0, none yet
     scored = dataclasses.replace(two, bleu_points=[{"step": 60, "bleu": 1.004}, {"step": 120, "bleu": 0.75}])
     assert train_view.values_axis(train_view.bleu_frame(scored), "bleu") == [0, 1.15]
+
+
+def test_refusals_name_the_settings_as_the_form_labels_them(tab):
+    """A blank learning rate said "learning_rate is required" (the CLI's flag, not the form's label)."""
+    tab.form_labels = {"learning_rate": "Learning rate", "num_train_epochs": "Epochs", "n_train": "Train rows"}
+    try:
+        for changes, said in (
+            ({"learning_rate": None}, "Learning rate is required"),
+            ({"learning_rate": 0}, "Learning rate must be > 0"),
+            ({"num_train_epochs": -1}, "Epochs must be >= 1, got -1"),
+            ({"learning_rate": 2.0}, "Learning rate must be at most 1 for runs of the app, got 2"),
+        ):
+            with pytest.raises(ValueError) as refused:
+                train_handlers.spec_from_form(tab, form(tab, **changes), None)
+            assert str(refused.value) == said
+            assert train_handlers.show_command(tab, None, form(tab, **changes)) == f"# no command: {said}"
+        words = train_words.in_form_words("n_train_extra and n_train", tab.form_labels)
+        assert words == "n_train_extra and Train rows"  # whole names only
+    finally:
+        tab.form_labels = {}
+
+
+def test_the_feedback_share_line_says_what_the_mix_makes_of_the_rows(tab):
+    """Three accepted rows at the default share became ~1,400 of ~2,800 training rows with no hint:
+    the line under the share says so, as finetune.data.mix really draws them (checked against it)."""
+    from finetune.data import load_raw, mix
+
+    store = tab.feedback_store()
+    assert "No accepted chat feedback yet" in train_preflight.feedback_line(store, "sample", 0, 0.5)
+    for i, rating in enumerate(("correction", "like", "correction", "dislike")):  # a dislike is not trained on
+        store.add(
+            kind="none",
+            context="",
+            turns=[f"hello {i}"],
+            response=f"hi there number {i}!",
+            rating=rating,
+            visitor="trainer:password",
+            status="accepted",
+        )
+    line = train_preflight.feedback_line(store, "sample", 0, 0.5)
+    base = load_raw(TrainConfig(dataset_name="sample"))["train"]
+    feedback = base.select(range(3))  # three rows, as the export makes of the three trained ones
+    mixed = len(mix(base, feedback, 0.5, seed=42))
+    found = re.search(r"each epoch ≈ ([\d,]+) rows, ([\d,]+) of them feedback: each accepted row ≈ ([\d,]+)×", line)
+    epoch, drawn, times = (int(n.replace(",", "")) for n in found.groups())
+    assert "3 accepted rows at a share of 0.5" in line and abs(epoch - mixed) / mixed < 0.02, (line, mixed)
+    assert drawn == round(epoch / 2) and times == round(drawn / 3) > 400
+    assert "A share near 0.0021" in line  # the rows' own share, where each is seen about once
+    assert "3 accepted rows, trained on alone" in train_preflight.feedback_line(store, "sample", 0, 1)
+    assert "depends on the dataset's size" in train_preflight.feedback_line(store, "hub", 0, 0.5)
+    assert "each epoch ≈ 200 rows" in train_preflight.feedback_line(store, "sample", 100, 0.5)  # n_train rows
