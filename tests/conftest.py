@@ -38,6 +38,7 @@ def tiny_tokenizer(tiny_path):
 SLOW_MODULES = {
     "test_train.py",
     "test_checkpoints.py",
+    "test_lora_training.py",  # LoRA adapters: ZeRO-2 on 2 processes, resume, merge, continue
     "test_faults.py",
     "test_jobs_manager.py",
     "test_jobs_ranks.py",
