@@ -85,7 +85,8 @@ def training_args(config: TrainConfig) -> list[str]:
     """The CLI flags that give back ``config``: ``parse_args(training_args(config)) == config``.
 
     Every field whose value differs from its default becomes its flag, in TrainConfig's order
-    (output_dir and resume last); booleans as ``--flag`` / ``--flag false``; a value that starts
+    (output_dir and resume last); booleans as ``--flag`` / ``--flag false``; module names
+    comma-separated (``--lora_target_modules q_proj,v_proj``); a value that starts
     with "-" as one token ``--name=value``, so argparse never takes it for an option (a source
     prefix may start with one). A value no flag can give (None where the default is not) is a
     ValueError."""
@@ -102,6 +103,7 @@ def training_args(config: TrainConfig) -> list[str]:
             raise ValueError(f"{f.name} cannot be None on the command line (its default is {default!r})")
         else:
             text = repr(value) if isinstance(value, float) else str(value)
+            text = ",".join(value) if isinstance(value, tuple) else text  # module names
             args += [f"--{f.name}={text}"] if text.startswith("-") else [f"--{f.name}", text]
     return args
 
