@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from chat.adapters import ADAPTER_KINDS, LORA_TARGETS, is_adapter_dir
+from chat.adapters import ADAPTER_KINDS, LORA_TARGETS
 from chat.layout import DEFAULT_MODEL
 from chat.model import ATTENTION
 
@@ -97,6 +97,12 @@ class TrainConfig:
         + ", ".join(LORA_TARGETS)
         + ".",
         default=LORA_TARGETS,
+    )
+    lora_fused: bool = _doc(
+        "Train through finetune/lora_layer.py: the LoRA update added inside the base projection's matrix product "
+        "and its dropout recomputed in the backward pass instead of kept (same results as peft's layer, less "
+        "memory and traffic); false: peft's own layer.",
+        default=True,
     )
     # --- evaluation
     num_beams: int = _doc("Beams for evaluation generation.", default=10)
@@ -206,17 +212,11 @@ class TrainConfig:
             raise ValueError(f"--hub_model_id must look like 'user/name', got {self.hub_model_id!r}")
 
     def _check_adapter(self) -> None:
-        """--adapter and the --lora_* settings; an adapter folder as the model continues that adapter
-        with its own settings (finetune.lora.continued_settings)."""
+        """--adapter and the --lora_* settings. (An adapter folder as the model, which continues that
+        adapter with its own settings, is read when the run starts: finetune.lora.prepare.)"""
         self.lora_target_modules = module_names(self.lora_target_modules)
         if self.adapter not in ADAPTER_KINDS:
             raise ValueError(f"--adapter must be one of {', '.join(ADAPTER_KINDS)}, got {self.adapter!r}")
-        if is_adapter_dir(self.model_name_or_path):  # a finished adapter run: train the same adapter further
-            from finetune.lora import continued_settings
-
-            self.adapter = "lora"
-            for name, value in continued_settings(self).items():
-                setattr(self, name, value)
         if self.adapter == "none":
             changed = [name for name in LORA_FIELDS if getattr(self, name) != _FIELD_DEFAULTS[name]]
             if changed:
@@ -240,7 +240,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_fused")
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 

@@ -4,7 +4,8 @@ adds a LoRA pair to BlenderBot's projections, and the run trains and saves only 
 The recipe (``finetune/train.py``) stays the same path as full fine-tuning; this module is what
 differs:
 
-- ``base_model``: which base a run loads (a finished adapter run's own base when continuing it);
+- ``prepare``: which base a run loads (a finished adapter run's own base when continuing it, with
+  that adapter's own settings);
 - ``wrap``: the loaded base fingerprinted (``chat.adapters.model_fingerprint``, gathered under
   ZeRO-3) and wrapped by peft: a new adapter (``get_peft_model``) or the finished one, trainable
   again (``PeftModel.from_pretrained(..., is_trainable=True)``);
@@ -30,6 +31,7 @@ import torch
 from chat.adapters import FINGERPRINT_KEY, LORA_TARGETS, adapter_config, base_of, is_adapter_dir, model_fingerprint
 from chat.model import MODEL_PRESETS, ModelLoadError
 from finetune.checkpoint import TrainingError
+from finetune.lora_layer import fuse
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,26 @@ def continued_settings(cfg) -> dict:
                 "trains it as it is (drop the flag, or start a new adapter on its base)"
             )
     return own
+
+
+def prepare(cfg) -> str:
+    """The model a run loads (the base, for a LoRA run). A finished adapter run's folder as the
+    model makes ``cfg`` a LoRA run with that adapter's own settings (``continued``): it is trained
+    further, on its own base. ModelLoadError when it cannot be continued as asked."""
+    if is_adapter_dir(cfg.model_name_or_path):
+        try:
+            continued(cfg)
+        except ValueError as err:
+            raise ModelLoadError(str(err)) from None
+    return base_model(cfg) if cfg.adapter == "lora" else cfg.model_name_or_path
+
+
+def continued(cfg) -> None:
+    """Set ``cfg`` to continue the finished adapter in ``cfg.model_name_or_path`` (``continued_settings``)."""
+    settings = continued_settings(cfg)
+    cfg.adapter = "lora"
+    for name, value in settings.items():
+        setattr(cfg, name, value)
 
 
 def base_model(cfg) -> str:
@@ -120,6 +142,8 @@ def wrap(model: torch.nn.Module, cfg, base: str):
         model = get_peft_model(model, lora_config(cfg))
     model.peft_config["default"].base_model_name_or_path = base
     model.base_fingerprint = found
+    if cfg.lora_fused:
+        fuse(model)  # same results as peft's layers, without their copies (finetune/lora_layer.py)
     trainable, total = model.get_nb_trainable_parameters()
     log.info(f"LoRA on {base}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)")
     return model

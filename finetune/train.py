@@ -172,7 +172,7 @@ def setup(cfg: TrainConfig) -> Run:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
     set_seed(cfg.seed)
-    source = lora.base_model(cfg) if cfg.adapter == "lora" else cfg.model_name_or_path  # (an adapter's base)
+    source = lora.prepare(cfg)  # the model, or a LoRA run's base (a finished adapter's, continuing it)
     positions = AutoConfig.from_pretrained(resolve(source)).max_position_embeddings
     if positions < max(cfg.max_source_length, cfg.max_target_length):
         raise TrainingError(f"--max_source_length/--max_target_length exceed the model's {positions} positions")

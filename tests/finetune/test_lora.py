@@ -76,10 +76,10 @@ def test_continuing_a_finished_adapter_trains_the_same_adapter_on_its_base(tmp_p
     saved = random_adapter()
     folder = save_adapter(saved, tmp_path / "final")
     cfg = sample_config(model_name_or_path=str(folder))
-    # the folder makes it a LoRA run with the adapter's own settings
+    # the folder makes it a LoRA run with the adapter's own settings, on the adapter's base
+    assert lora.prepare(cfg) == "tiny"
     assert (cfg.adapter, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == ("lora", 4, 8, 0.0)
     assert set(cfg.lora_target_modules) == set(LORA_TARGETS)
-    assert lora.base_model(cfg) == "tiny"
     model = lora.wrap(load_model("tiny"), cfg, "tiny")
     assert model.peft_config["default"].base_model_name_or_path == "tiny"
     want = {n: p for n, p in saved.named_parameters() if "lora_" in n}
@@ -87,9 +87,12 @@ def test_continuing_a_finished_adapter_trains_the_same_adapter_on_its_base(tmp_p
     assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
     assert all(p.requires_grad for p in got.values())  # trainable again (peft loads for inference by default)
     # a value given that contradicts the adapter's own is refused
-    with pytest.raises(ValueError, match="--lora_r 16 differs from the adapter's own 4"):
-        sample_config(model_name_or_path=str(folder), lora_r=16)
-    assert sample_config(model_name_or_path=str(folder), lora_r=4).lora_r == 4
+    from chat.model import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="--lora_r 16 differs from the adapter's own 4"):
+        lora.prepare(sample_config(model_name_or_path=str(folder), adapter="lora", lora_r=16))
+    agreeing = sample_config(model_name_or_path=str(folder), adapter="lora", lora_r=4)
+    assert lora.prepare(agreeing) == "tiny" and agreeing.lora_alpha == 8
 
 
 def test_continuing_an_adapter_whose_base_changed_is_refused(tmp_path):
@@ -98,7 +101,7 @@ def test_continuing_an_adapter_whose_base_changed_is_refused(tmp_path):
     from chat.model import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="fingerprint 0123456789abcdef, but tiny now has"):
-        lora.wrap(load_model("tiny"), cfg, "tiny")
+        lora.wrap(load_model("tiny"), cfg, lora.prepare(cfg))
 
 
 def test_a_checkpoint_of_another_base_is_refused_on_resume(tmp_path):
