@@ -267,3 +267,52 @@ def test_merge_command_line(tmp_path, capsys, caplog):
     # peft itself loads the adapter the same way the merge did
     peft_model = PeftModel.from_pretrained(load_model("tiny"), str(folder))
     assert peft_model.peft_config["default"].base_model_name_or_path == "tiny"
+
+
+# --------------------------------------------------------------------------- the fused LoRA layers
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_fused_layers_train_exactly_as_peft_s_and_keep_no_dropout_copies(dropout):
+    import copy
+
+    from finetune.lora_layer import FusedLinear, fuse
+
+    tokenizer = load_tokenizer("tiny")
+    batch = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)(_features(tokenizer, 16))
+    stock = random_adapter(dropout=dropout).train()
+    fused = copy.deepcopy(stock)
+    assert fuse(fused) == 2 * 6 + 2 * 10  # every wrapped projection of the tiny model
+    outcome = {}
+    for name, model in (("stock", stock), ("fused", fused)):
+        kept = []
+
+        def pack(t, kept=kept):
+            kept.append(t.numel() * t.element_size())
+            return t
+
+        torch.manual_seed(5)  # the same dropout masks for both
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(**batch).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        outcome[name] = (loss.item(), grads, sum(kept), torch.rand(1).item())  # (the RNG stream after the step too)
+    (loss, grads, kept, after), (fused_loss, fused_grads, fused_kept, fused_after) = outcome["stock"], outcome["fused"]
+    assert fused_loss == pytest.approx(loss, rel=1e-6) and fused_after == after
+    assert grads.keys() == fused_grads.keys()
+    assert max((grads[n] - fused_grads[n]).abs().max().item() for n in grads) < 1e-6
+    if dropout:
+        assert fused_kept < 0.9 * kept  # peft keeps each projection's dropped input and mask; fused recomputes them
+    else:
+        assert fused_kept == kept
+    # the same adapter on disk, and peft's own paths where they apply (a merged or disabled adapter)
+    assert fused.state_dict().keys() == stock.state_dict().keys()
+    layer = next(m for m in fused.eval().modules() if isinstance(m, FusedLinear))
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        live = layer(x)
+        with fused.disable_adapter():
+            assert torch.equal(layer(x), layer.base_layer(x))
+        layer.merge()
+        assert torch.allclose(layer(x), live, atol=1e-5)
+        layer.unmerge()
