@@ -289,6 +289,10 @@ class JobSpec:
             if changes["hub_model_id"] and not is_hub_id(changes["hub_model_id"], owner=True):
                 raise ValueError(f"Hub model id must look like 'user/name', got {cfg.hub_model_id!r}")
         self.config = dataclasses.replace(cfg, **changes)
+        if is_adapter_dir(self.config.model_name_or_path):  # a finished adapter run: trained further, as it is
+            from finetune.lora import continued_settings
+
+            self.config = dataclasses.replace(self.config, adapter="lora", **continued_settings(self.config))
 
     def _data(self, cfg: TrainConfig) -> dict:
         """The config's data fields checked (and the upload to split): local files resolved."""

@@ -80,7 +80,8 @@ def test_a_finished_adapter_run_is_a_base_to_continue(roots):
 def test_an_adapter_on_the_demo_model_is_a_base_too(roots):
     runs, _ = roots
     final = adapter_run(runs, base=str(DEMO_DIR.resolve()))
-    assert make_config(model_name_or_path=checked_model(str(final)), dataset_name="sample").adapter == "lora"
+    made = JobSpec(make_config(model_name_or_path=str(final), dataset_name="sample"))
+    assert made.config.adapter == "lora" and made.config.model_name_or_path == str(final.resolve())
 
 
 def test_push_sends_the_adapter_or_the_merged_model(roots, monkeypatch):
