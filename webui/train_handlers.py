@@ -173,9 +173,9 @@ def hardware_note(gpus: int) -> str:
         )
     return (
         "🐢 **No GPU on this machine.** Real training (the 400M model) needs a GPU: on a Hugging Face Space, "
-        "pick GPU hardware under **Settings → Space hardware**. Here, runs of the `tiny` model (or continuing a "
-        "finished run) are allowed: they train on the CPU with DeepSpeed ZeRO-2 in a minute or two and show "
-        "the pipeline works, not chat quality."
+        "pick GPU hardware under **Settings → Space hardware**. Here, runs of the `tiny` model, LoRA adapters on "
+        "any base (or continuing a finished run) are allowed: they train on the CPU with DeepSpeed ZeRO-2, `tiny` "
+        "in a minute or two (it shows the pipeline works, not chat quality)."
     )
 
 

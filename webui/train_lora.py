@@ -31,9 +31,9 @@ PRIVATE = {"api_visibility": "private"}
 
 
 def build(defaults: Mapping, locked: dict) -> dict:
-    """The fields (call inside the form's layout); returns them by FIELDS name."""
-    lora = defaults["adapter"] == "lora"
-    with gr.Row(elem_classes="train-pair"):
+    """The fields (call inside the form's layout); returns them by FIELDS name. The LoRA settings
+    show only while LoRA is chosen (hidden, they keep their values)."""
+    with gr.Row():  # its own line: a phone keeps each choice's words on one line
         adapter = gr.Radio(
             ADAPTER_CHOICES,
             value=defaults["adapter"],
@@ -42,35 +42,27 @@ def build(defaults: Mapping, locked: dict) -> dict:
             elem_id="train-adapter",
             **locked,
         )
-        rank = gr.Number(
-            defaults["lora_r"],
-            precision=0,
-            minimum=1,
-            label="LoRA rank r",
-            visible=lora,
-            elem_id="train-lora-r",
+    with gr.Column(visible=defaults["adapter"] == "lora", elem_id="train-lora") as box:
+        with gr.Row(elem_classes="train-pair"):
+            rank = gr.Number(
+                defaults["lora_r"], precision=0, minimum=1, label="LoRA rank r", elem_id="train-lora-r", **locked
+            )
+            alpha = gr.Number(
+                defaults["lora_alpha"],
+                precision=0,
+                minimum=1,
+                label="LoRA alpha (× alpha / r)",
+                elem_id="train-lora-alpha",
+                **locked,
+            )
+        modules = gr.CheckboxGroup(
+            MODULE_CHOICES,
+            value=list(defaults["lora_target_modules"]),
+            label="LoRA on (encoder and decoder)",
+            elem_id="train-lora-modules",
             **locked,
         )
-        alpha = gr.Number(
-            defaults["lora_alpha"],
-            precision=0,
-            minimum=1,
-            label="LoRA alpha (updates × alpha / r)",
-            visible=lora,
-            elem_id="train-lora-alpha",
-            **locked,
-        )
-    modules = gr.CheckboxGroup(
-        MODULE_CHOICES,
-        value=list(defaults["lora_target_modules"]),
-        label="LoRA on (encoder and decoder)",
-        visible=lora,
-        elem_id="train-lora-modules",
-        **locked,
-    )
-    adapter.change(
-        lambda kind: [gr.update(visible=kind == "lora")] * 3, adapter, [rank, alpha, modules], queue=False, **PRIVATE
-    )
+    adapter.change(lambda kind: gr.update(visible=kind == "lora"), adapter, box, queue=False, **PRIVATE)
     return {"adapter": adapter, "lora_r": rank, "lora_alpha": alpha, "lora_target_modules": modules}
 
 

@@ -342,7 +342,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             )
             push_private = gr.Checkbox(False, label="Private repo", scale=1, elem_id="train-push-private", **locked)
             push_merged = gr.Checkbox(
-                False, label="LoRA run: push the merged model", scale=1, elem_id="train-push-merged", **locked
+                False, label="Merge LoRA into base", scale=1, elem_id="train-push-merged", **locked
             )
             push = gr.Button("Push to Hub", scale=1, elem_id="train-push", **locked)
     gr.HTML(CSS, elem_id="train-css", padding=False, js_on_load=PAGE_JS)
