@@ -10,7 +10,8 @@ row 128 source / 64 target tokens, so padding cannot differ between runs):
 
 * ``gpu``: one GPU, the tuned CLI (configs/accelerate/zero2.yaml, bf16, fused AdamW, packing): full
   fine-tuning, LoRA (r 8, alpha 16, dropout 0.05 on every projection: the CLI's defaults, through the
-  fused layers of finetune/lora_layer.py) and LoRA through peft's own layers (``--lora_fused false``),
+  fused layers of finetune/lora_layer.py), LoRA through peft's own layers (``--lora_fused false``)
+  and LoRA without dropout (``--lora_dropout 0``: nothing to recompute),
   at one micro-batch (``--batch``) and then each at ``auto`` (the largest that finetune/memory.py says
   fits): samples/s (median over the steps after the 2nd) and peak GPU memory (max_memory_allocated),
   with the memory model's estimate beside each;
@@ -30,6 +31,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -55,7 +57,10 @@ KINDS = {  # the training flags of each kind of run
     "full": [],
     "lora": ["--adapter", "lora"],
     "lora-peft-layers": ["--adapter", "lora", "--lora_fused", "false"],
+    "lora-no-dropout": ["--adapter", "lora", "--lora_dropout", "0"],
 }
+GPU_KINDS = tuple(KINDS)
+CPU_KINDS = ("full", "lora", "lora-peft-layers")
 
 
 @dataclass
@@ -68,7 +73,8 @@ class Run:
     kind: str
     processes: int
     batch: int | str
-    rss: list[tuple[float, int, int]] = field(default_factory=list)  # (time, sum of the ranks' RSS, largest)
+    # (time, the training processes' RSS summed, the largest one's, their CPU seconds so far), every 0.2 s
+    samples: list[tuple[float, int, int, float]] = field(default_factory=list)
 
 
 def launcher(processes: int, gpu: bool) -> list[str]:
@@ -140,11 +146,13 @@ def execute(run: Run, timeout: float) -> dict:
     root = psutil.Process(proc.pid)
     while proc.poll() is None and time.time() - started < timeout:
         try:
-            sizes = [p.memory_info().rss for p in training_processes(root)]
+            procs = training_processes(root)
+            sizes = [p.memory_info().rss for p in procs]
+            cpu = sum(sum(p.cpu_times()[:2]) for p in procs)  # user + system
         except psutil.Error:  # a process ended between the listing and the reading
             sizes = []
         if sizes:
-            run.rss.append((time.time(), sum(sizes), max(sizes)))
+            run.samples.append((time.time(), sum(sizes), max(sizes), cpu))
         time.sleep(0.2)
     if proc.poll() is None:
         proc.kill()
@@ -153,7 +161,7 @@ def execute(run: Run, timeout: float) -> dict:
     run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "launch.log").write_text("".join(stderr))
     result = {"name": run.name, "kind": run.kind, "processes": run.processes, "batch": run.batch, "ok": code == 0}
-    result["command"] = " ".join(["python", *run.argv[1:]])
+    result["command"] = shlex.join(["python", *run.argv[1:]])
     result["wall_seconds"] = time.time() - started
     result.update(summarize(run))
     if code != 0:
@@ -186,10 +194,11 @@ def summarize(run: Run) -> dict:
     peaks = [e["gpu_mem_gib"] for e in logs if e.get("gpu_mem_gib") is not None]
     if peaks:
         out["peak_gpu_gib"] = max(peaks)
-    if run.rss and start and logs:  # while it trains: from its start event to its last step (not the final save)
-        training = [r for r in run.rss if start["time"] <= r[0] <= logs[-1]["time"]] or run.rss
+    if run.samples and start and logs:  # while it trains: from its start event to its last step (not the final save)
+        training = [r for r in run.samples if start["time"] <= r[0] <= logs[-1]["time"]] or run.samples
         out["peak_rss_gib"] = max(r[1] for r in training) / 2**30
         out["peak_rss_one_process_gib"] = max(r[2] for r in training) / 2**30
+        out.update(cpu_seconds_per_step(run.samples, logs))
     final = run.out_dir / "final"
     for name in ("adapter_model.safetensors", "model.safetensors"):
         if (final / name).is_file():
@@ -198,6 +207,21 @@ def summarize(run: Run) -> dict:
     if evals:
         out.update(eval_bleu=evals[-1]["eval_bleu"], eval_loss=evals[-1]["eval_loss"])
     return out
+
+
+def cpu_seconds_per_step(samples: list[tuple], logs: list[dict]) -> dict:
+    """CPU seconds (user + system, all training processes) per optimizer step after the 2nd: on a
+    machine shared with other work a step's wall time follows the share of the cores it got, its CPU
+    time much less."""
+    steady = [e for e in logs if e["step"] >= 2]
+    if len(steady) < 2:
+        return {}
+
+    def cpu_at(t: float) -> float:  # the first sample at or after t (sampled every 0.2 s)
+        return next((s[3] for s in samples if s[0] >= t), samples[-1][3])
+
+    first, last = steady[0], steady[-1]
+    return {"cpu_seconds_per_step": (cpu_at(last["time"]) - cpu_at(first["time"])) / (last["step"] - first["step"])}
 
 
 def memory_estimate(result: dict, capacity_gib: float) -> dict | None:
@@ -209,7 +233,7 @@ def memory_estimate(result: dict, capacity_gib: float) -> dict | None:
         return None
     lora = {}
     if result["kind"] != "full":
-        dropout = 0.05 if result["kind"] == "lora-peft-layers" else 0.0  # (the fused layers keep no copies)
+        dropout = 0.05 if result["kind"] == "lora-peft-layers" else 0.0  # (the fused layers keep no dropout copies)
         lora = {"lora_r": 8, "lora_targets": LORA_TARGETS, "lora_dropout": dropout}
     setup = memory.Setup("zero2", "bf16", result["processes"], 128, 64, **lora)
     est = memory.estimate(memory.ModelShape.of("random-400M"), result["batch_used"], setup, capacity_gib)
@@ -236,6 +260,8 @@ def ratios(results: list[dict]) -> dict:
         if r.get("samples_per_second") and full.get("samples_per_second"):
             entry["speed_x"] = r["samples_per_second"] / full["samples_per_second"]
             entry["seconds_per_step_x"] = full["seconds_per_step"] / r["seconds_per_step"]
+        if r.get("cpu_seconds_per_step") and full.get("cpu_seconds_per_step"):
+            entry["cpu_seconds_per_step_x"] = full["cpu_seconds_per_step"] / r["cpu_seconds_per_step"]
         for key in ("peak_gpu_gib", "peak_rss_gib", "saved_mib"):
             if r.get(key) and full.get(key):
                 entry[f"{key}_fraction"] = r[key] / full[key]
@@ -246,7 +272,16 @@ def ratios(results: list[dict]) -> dict:
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# LoRA vs full fine-tuning ({env['date']}, {env['device']})", "", f"`{report['command']}`", ""]
-    header = ["run", "samples/s", "s/step", "peak GPU GiB", "peak RSS GiB (sum / one)", "final/ file MiB", "BLEU"]
+    header = [
+        "run",
+        "samples/s",
+        "s/step",
+        "CPU s/step",
+        "peak GPU GiB",
+        "peak RSS GiB (sum / one)",
+        "final/ file MiB",
+        "BLEU",
+    ]
     rows = []
     for r in report["runs"]:
         rss = f"{r['peak_rss_gib']:.2f} / {r['peak_rss_one_process_gib']:.2f}" if r.get("peak_rss_gib") else ""
@@ -255,13 +290,14 @@ def markdown(report: dict) -> str:
                 r["name"] + ("" if r["ok"] else " (failed)"),
                 f"{r['samples_per_second']:.1f}" if r.get("samples_per_second") else "",
                 f"{r['seconds_per_step']:.2f}" if r.get("seconds_per_step") else "",
+                f"{r['cpu_seconds_per_step']:.1f}" if r.get("cpu_seconds_per_step") else "",
                 f"{r['peak_gpu_gib']:.1f}" if r.get("peak_gpu_gib") else "",
                 rss,
                 f"{r['saved_mib']:.1f}" if r.get("saved_mib") else "",
                 f"{r['eval_bleu']:.2f}" if "eval_bleu" in r and r["name"].startswith("bleu") else "",
             ]
         )
-    lines += md_table(header, rows, "lrrrrrr")
+    lines += md_table(header, rows, "lrrrrrrr")
     lines += ["", "LoRA against full fine-tuning:", ""]
     lines += [
         f"- {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in entry.items()) for name, entry in report["ratios"].items()
@@ -310,13 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (args.batch, "auto"):
             plan += [
                 timing_run(k, data_dir, work, gpu=True, processes=1, batch=batch, steps=args.gpu_steps, smoke=False)
-                for k in KINDS
+                for k in GPU_KINDS
             ]
     if "cpu" in parts:
         steps, processes = (4, 1) if args.smoke else (args.cpu_steps, args.processes)
         plan += [
             timing_run(k, data_dir, work, gpu=False, processes=processes, batch=8, steps=steps, smoke=args.smoke)
-            for k in KINDS
+            for k in CPU_KINDS
         ]
     if "bleu" in parts:
         plan += [bleu_run(k, work, args.smoke, args.lora_flags.split()) for k in ("full", "lora")]

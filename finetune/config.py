@@ -100,8 +100,8 @@ class TrainConfig:
     )
     lora_fused: bool = _doc(
         "Train through finetune/lora_layer.py: the LoRA update added inside the base projection's matrix product "
-        "and its dropout recomputed in the backward pass instead of kept (same results as peft's layer, less "
-        "memory and traffic); false: peft's own layer.",
+        "and, on a GPU, its dropout recomputed in the backward pass instead of kept (same results as peft's layer, "
+        "less memory and traffic); false: peft's own layer.",
         default=True,
     )
     # --- evaluation
@@ -218,7 +218,7 @@ class TrainConfig:
         if self.adapter not in ADAPTER_KINDS:
             raise ValueError(f"--adapter must be one of {', '.join(ADAPTER_KINDS)}, got {self.adapter!r}")
         if self.adapter == "none":
-            changed = [name for name in LORA_FIELDS if getattr(self, name) != _FIELD_DEFAULTS[name]]
+            changed = [name for name in LORA_FIELDS if getattr(self, name) != FIELD_DEFAULTS[name]]
             if changed:
                 raise ValueError(f"--{changed[0]} needs --adapter lora (full fine-tuning has no LoRA settings)")
             return
@@ -241,7 +241,7 @@ class TrainConfig:
 
 
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_fused")
-_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 def module_names(value) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ def continued_settings(cfg) -> dict:
     """The --lora_* values of the finished adapter in ``cfg.model_name_or_path``: continuing an
     adapter trains it as it is (its rank, alpha, dropout and modules). A value given that is not
     the default and not the adapter's own is a ValueError (the run would not do what it says)."""
-    from finetune.config import _FIELD_DEFAULTS, module_names
+    from finetune.config import FIELD_DEFAULTS, module_names
 
     folder = cfg.model_name_or_path
     config = adapter_config(folder)
@@ -58,7 +58,7 @@ def continued_settings(cfg) -> dict:
     for name, value in own.items():
         asked = getattr(cfg, name)
         same = set(asked) == set(value) if name == "lora_target_modules" else asked == value
-        if not same and asked != _FIELD_DEFAULTS[name]:
+        if not same and asked != FIELD_DEFAULTS[name]:
             raise ValueError(
                 f"--{name} {asked!r} differs from the adapter's own {value!r} in {folder}: continuing an adapter "
                 "trains it as it is (drop the flag, or start a new adapter on its base)"

@@ -339,7 +339,7 @@ def lora_setup(cfg) -> dict:
     """Setup's LoRA fields for a TrainConfig (none for full fine-tuning)."""
     if cfg.adapter != "lora":
         return {}
-    # (the fused layers recompute the dropout instead of keeping its copies: finetune/lora_layer.py)
+    # (on a GPU the fused layers recompute the dropout instead of keeping its copies: finetune/lora_layer.py)
     dropout = 0.0 if cfg.lora_fused else cfg.lora_dropout
     return {"lora_r": cfg.lora_r, "lora_targets": tuple(cfg.lora_target_modules), "lora_dropout": dropout}
 

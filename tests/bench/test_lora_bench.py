@@ -33,7 +33,9 @@ def test_gpu_runs_are_the_tuned_cli_on_one_gpu(tmp_path):
             "full": ("none", True),
             "lora": ("lora", True),
             "lora-peft-layers": ("lora", False),
+            "lora-no-dropout": ("lora", True),
         }[kind]
+    assert parse_args(flags_of(runs["lora-no-dropout"])).lora_dropout == 0
     assert runs["lora"].name == "lora-gpu-x1-b800"
 
 
@@ -98,9 +100,17 @@ def test_smoke_run_measures_lora_against_full(tmp_path):
     assert set(runs) == {"full-cpu-x1-b8", "lora-cpu-x1-b8", "lora-peft-layers-cpu-x1-b8", "bleu-full", "bleu-lora"}
     for name in ("full-cpu-x1-b8", "lora-cpu-x1-b8"):
         assert runs[name]["seconds_per_step"] > 0 and runs[name]["peak_rss_gib"] > 0.1
+        assert runs[name]["cpu_seconds_per_step"] > 0
     assert runs["lora-cpu-x1-b8"]["saved_file"] == "adapter_model.safetensors"
     assert runs["full-cpu-x1-b8"]["saved_file"] == "model.safetensors"
     assert runs["lora-cpu-x1-b8"]["saved_mib"] < runs["full-cpu-x1-b8"]["saved_mib"]
     assert 0 <= runs["bleu-lora"]["eval_bleu"] <= 100 and 0 <= runs["bleu-full"]["eval_bleu"] <= 100
     assert "lora-cpu-x1-b8" in report["ratios"] and "bleu-lora" in report["ratios"]
     assert "| lora-cpu-x1-b8 |" in (tmp_path / "results.md").read_text()
+
+
+def test_cpu_seconds_per_step_count_the_steps_after_the_first():
+    samples = [(t, 0, 0, 3.0 * t) for t in range(0, 100)]  # 3 CPU seconds every second
+    logs = [{"step": s, "time": 10 * s} for s in (1, 2, 3, 4)]
+    assert bench.cpu_seconds_per_step(samples, logs) == {"cpu_seconds_per_step": 30.0}
+    assert bench.cpu_seconds_per_step(samples, logs[:2]) == {}
