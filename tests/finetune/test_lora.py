@@ -321,3 +321,21 @@ def test_fused_layers_train_exactly_as_peft_s_and_keep_no_dropout_copies(dropout
         layer.merge()
         assert torch.allclose(layer(x), live, atol=1e-5)
         layer.unmerge()
+
+
+def test_an_adapter_s_model_card_names_its_base_and_peft(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from finetune.hub import write_model_card
+
+    cfg = sample_config(adapter="lora", lora_r=4)
+    for base, metadata in (("facebook/blenderbot-400M-distill", "facebook/blenderbot-400M-distill"), ("tiny", None)):
+        write_model_card(tmp_path, cfg, {"eval_bleu": 1.5}, 1, adapter_base=base)
+        card = ModelCard.load(tmp_path / "README.md")
+        assert card.data.library_name == "peft" and "lora" in card.data.tags
+        # the Hub refuses a base_model that is no Hub id (a preset, a local folder): then the text alone names it
+        assert card.data.base_model == metadata and f"Base model: `{base}`" in card.text
+        assert "LoRA adapter (r 4, alpha 16" in card.text and "python -m finetune.merge" in card.text
+    write_model_card(tmp_path, sample_config(model_name_or_path="/abs/run/final"), {}, 1)
+    full = ModelCard.load(tmp_path / "README.md")
+    assert full.data.library_name == "transformers" and full.data.base_model is None  # (a local folder)
