@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu_steps", type=int, default=12, help="Optimizer steps of each GPU run.")
     parser.add_argument("--processes", type=int, default=2, choices=(1, 2), help="CPU processes (2: ZeRO-2).")
     parser.add_argument("--cpu_steps", type=int, default=6, help="Optimizer steps of each CPU run.")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"Runs to make, a subset of {', '.join(KINDS)}.")
     parser.add_argument("--lora_flags", default="", help="Extra flags for the LoRA runs of the bleu part.")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, every part in a few steps.")
     parser.add_argument("--timeout", type=float, default=1800, help="Seconds before one run is abandoned.")
@@ -323,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()] if not args.smoke else ["cpu", "bleu"]
     if not parts or set(parts) - set(PARTS):
         parser.error(f"--parts takes a comma-separated subset of {', '.join(PARTS)}; got {args.parts!r}")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--kinds takes a comma-separated subset of {', '.join(KINDS)}; got {args.kinds!r}")
     if min(args.batch, args.gpu_steps, args.cpu_steps) < 1:
         parser.error("--batch, --gpu_steps and --cpu_steps must be >= 1")
     import torch
@@ -347,15 +351,17 @@ def main(argv: list[str] | None = None) -> int:
             plan += [
                 timing_run(k, data_dir, work, gpu=True, processes=1, batch=batch, steps=args.gpu_steps, smoke=False)
                 for k in GPU_KINDS
+                if k in kinds
             ]
     if "cpu" in parts:
         steps, processes = (4, 1) if args.smoke else (args.cpu_steps, args.processes)
         plan += [
             timing_run(k, data_dir, work, gpu=False, processes=processes, batch=8, steps=steps, smoke=args.smoke)
             for k in CPU_KINDS
+            if k in kinds
         ]
     if "bleu" in parts:
-        plan += [bleu_run(k, work, args.smoke, args.lora_flags.split()) for k in ("full", "lora")]
+        plan += [bleu_run(k, work, args.smoke, args.lora_flags.split()) for k in ("full", "lora") if k in kinds]
     for run in plan:
         report["runs"].append(execute(run, args.timeout))
         write_json(out / "results.json", report)  # partial results survive a kill
