@@ -125,9 +125,9 @@ def run_started(output_dir: str | Path) -> bool:
 # --------------------------------------------------------------------------- saving
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, state: dict, keep: int) -> Path:
+def save_checkpoint(accelerator, output_dir: str | Path, state: dict, keep: int, **save_kwargs) -> Path:
     """Save the full training state on every rank, add trainer_state.json and the manifest,
-    then publish it with one rename."""
+    then publish it with one rename. ``save_kwargs`` go to ``accelerator.save_state``."""
     root = Path(output_dir) / CHECKPOINTS
     final = root / f"step_{state['completed_steps']}"
     tmp = root / f".{final.name}.tmp"
@@ -136,7 +136,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, state: dict, keep: int)
             shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
+        accelerator.save_state(str(tmp), **save_kwargs)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             state = {**state, "num_processes": accelerator.num_processes, "time": time.time()}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from chat.adapters import ADAPTER_KINDS, LORA_TARGETS
 from chat.layout import DEFAULT_MODEL, is_hub_id
 from chat.model import ATTENTION
 
@@ -114,6 +115,27 @@ class TrainConfig:
     )
     dataloader_num_workers: int | None = _doc(
         "Batch-collating worker processes (default: 2 on GPUs, 0 on CPU).", default=None
+    )
+    # --- adapters (finetune/lora.py)
+    adapter: str = _doc(
+        "none: fine-tune every weight; lora: train a LoRA adapter (peft) on the frozen base. A finished "
+        "adapter run's final/ as --model_name_or_path always trains that adapter further (on its base).",
+        default="none",
+    )
+    lora_r: int = _doc("LoRA rank (with --adapter lora).", default=8)
+    lora_alpha: int = _doc("LoRA alpha: the update is scaled by alpha / r.", default=16)
+    lora_dropout: float = _doc("Dropout on the LoRA path's input while training (0 <= p < 1).", default=0.05)
+    lora_target_modules: tuple[str, ...] = _doc(
+        "Projections that get a LoRA pair, comma-separated (a list in YAML), in the encoder and the decoder: "
+        + ", ".join(LORA_TARGETS)
+        + ".",
+        default=LORA_TARGETS,
+    )
+    lora_fused: bool = _doc(
+        "Train through finetune/lora_layer.py: the LoRA update added inside the base projection's matrix product "
+        "and, on a GPU, its dropout recomputed in the backward pass instead of kept (same results as peft's layer, "
+        "less memory and traffic); false: peft's own layer.",
+        default=True,
     )
     # --- evaluation
     num_beams: int = _doc("Beams for evaluation generation.", default=10)
@@ -217,12 +239,31 @@ class TrainConfig:
             )
         if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
             raise ValueError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        self._check_adapter()
         if self.push_to_hub and not self.save_model:
             raise ValueError("--push_to_hub needs the final model: drop --save_model false")
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id user/name")
         if self.hub_model_id and self.hub_model_id.count("/") != 1:
             raise ValueError(f"--hub_model_id must look like 'user/name', got {self.hub_model_id!r}")
+
+    def _check_adapter(self) -> None:
+        """--adapter and the --lora_* settings. (An adapter folder as the model, which continues that
+        adapter with its own settings, is read when the run starts: finetune.lora.prepare.)"""
+        self.lora_target_modules = module_names(self.lora_target_modules)
+        if self.adapter not in ADAPTER_KINDS:
+            raise ValueError(f"--adapter must be one of {', '.join(ADAPTER_KINDS)}, got {self.adapter!r}")
+        if self.adapter == "none":
+            changed = [name for name in LORA_FIELDS if getattr(self, name) != FIELD_DEFAULTS[name]]
+            if changed:
+                raise ValueError(f"--{changed[0]} needs --adapter lora (full fine-tuning has no LoRA settings)")
+            return
+        if isinstance(self.lora_r, bool) or self.lora_r < 1:
+            raise ValueError(f"--lora_r must be >= 1, got {self.lora_r}")
+        if isinstance(self.lora_alpha, bool) or self.lora_alpha < 1:
+            raise ValueError(f"--lora_alpha must be >= 1, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:  # (also refuses NaN)
+            raise ValueError(f"--lora_dropout must be >= 0 and < 1, got {self.lora_dropout}")
 
     @property
     def packs(self) -> bool:
@@ -235,9 +276,33 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_fused")
+FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+def module_names(value) -> tuple[str, ...]:
+    """--lora_target_modules: comma-separated text (the CLI) or a list (YAML, training_args.json), as a
+    tuple of BlenderBot's projection names in the order given; ValueError naming the unknown ones."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"--lora_target_modules must be module names, got {value!r}")
+    names = tuple(dict.fromkeys(v.strip() for v in value if v.strip()))  # (order kept, repeats dropped)
+    unknown = [name for name in names if name not in LORA_TARGETS]
+    if unknown:
+        raise ValueError(
+            f"--lora_target_modules: unknown module(s) {', '.join(unknown)}; BlenderBot's are {', '.join(LORA_TARGETS)}"
+        )
+    if not names:
+        raise ValueError(f"--lora_target_modules needs at least one of {', '.join(LORA_TARGETS)}")
+    return names
+
+
 def _field_type(f: dataclasses.Field) -> type:
     """The concrete type behind ``int | None`` style annotations."""
     hint = typing.get_type_hints(TrainConfig)[f.name]
+    if hint == tuple[str, ...]:  # module names: "a,b" on the CLI, checked by __post_init__
+        return str
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if args == [int, str]:  # a number or 'auto'
         return int_or_auto
@@ -312,6 +377,11 @@ def _yaml_value(path: str, f: dataclasses.Field, value):
             return int_or_auto(value)
         except ValueError:
             raise ValueError(f"config {path}: {f.name} must be a whole number or 'auto', got {value!r}") from None
+    if typing.get_type_hints(TrainConfig)[f.name] == tuple[str, ...]:
+        try:
+            return module_names(value)
+        except ValueError as err:
+            raise ValueError(f"config {path}: {err}") from None
     if value is None and type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[f.name]):
         return value
     if kind is bool:

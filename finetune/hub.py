@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
+from chat.layout import is_hub_id
 from chat.prompt import KINDS
 from finetune.evaluate import OTHER_KIND
 
@@ -37,15 +38,19 @@ def hardware() -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def write_model_card(folder: Path, cfg, results: dict, world_size: int) -> None:
+def write_model_card(folder: Path, cfg, results: dict, world_size: int, adapter_base: str | None = None) -> None:
+    """README.md of a final folder: metadata, what it was trained on and how. ``adapter_base``: the
+    folder is a LoRA adapter on that base (library peft; the base is what loads it)."""
+    base = adapter_base or cfg.model_name_or_path
     data = ModelCardData(
-        base_model=cfg.model_name_or_path if "/" in cfg.model_name_or_path else None,
+        # The Hub refuses a card whose base_model is no Hub id (a preset, a local folder): named in the text only.
+        base_model=base if is_hub_id(base, owner=True) else None,
         datasets=[cfg.dataset_name]
         if cfg.dataset_name and not cfg.train_file and cfg.dataset_name != "sample"
         else None,
-        library_name="transformers",
+        library_name="peft" if adapter_base else "transformers",
         pipeline_tag="text2text-generation",
-        tags=["blenderbot", "persona-chat", "deepspeed", "accelerate"],
+        tags=["blenderbot", "persona-chat", "deepspeed", "accelerate", *(["lora"] if adapter_base else [])],
     )
     bleu = results.get("eval_bleu")
     command = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
@@ -55,9 +60,9 @@ def write_model_card(folder: Path, cfg, results: dict, world_size: int) -> None:
 
 # {cfg.hub_model_id or folder.parent.name}
 
-BlenderBot fine-tuned for persona / emotion / task / topic-conditioned chat in the MuDoConv format.
+{_what(cfg, adapter_base)}
 
-- Base model: `{cfg.model_name_or_path}`
+- Base model: `{base}`
 - Data: `{cfg.train_file or cfg.dataset_name}` ({results.get("train_samples", "?")} training rows)
 - Evaluation: sacreBLEU {bleu if bleu is None else round(bleu, 2)} on {results.get("eval_samples", "?")} validation rows
   (beams {cfg.num_beams}, min length {cfg.val_min_target_length}, max length {cfg.val_max_target_length})
@@ -71,6 +76,17 @@ BlenderBot fine-tuned for persona / emotion / task / topic-conditioned chat in t
 ```
 """
     ModelCard(content).save(folder / "README.md")
+
+
+def _what(cfg, adapter_base: str | None) -> str:
+    """The card's first line: a fine-tuned model, or a LoRA adapter and how to load it."""
+    if adapter_base is None:
+        return "BlenderBot fine-tuned for persona / emotion / task / topic-conditioned chat in the MuDoConv format."
+    modules = ", ".join(cfg.lora_target_modules)
+    return f"""A LoRA adapter (r {cfg.lora_r}, alpha {cfg.lora_alpha}; {modules}) for BlenderBot `{adapter_base}`,
+trained for persona / emotion / task / topic-conditioned chat in the MuDoConv format. Load it with peft on its base:
+`PeftModel.from_pretrained(BlenderbotForConditionalGeneration.from_pretrained(base), this folder)`, or
+make a full model of it with `python -m finetune.merge --adapter_dir <this folder> --output_dir <dir>`."""
 
 
 def _round(value) -> str:

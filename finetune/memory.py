@@ -115,6 +115,21 @@ class ModelShape:
         except (OSError, ValueError, TypeError, AttributeError):  # no file, not JSON, not an encoder-decoder's
             return None
 
+    def projections(self) -> list[tuple[str, int, int, str]]:
+        """Every projection LoRA can wrap, per layer of the model: (module name, in width, out width,
+        the side whose tokens it sees: "source" or "target"). Cross-attention's k/v read the encoder."""
+        d, ffn = self.d_model, self.ffn_dim
+        attn = [(name, d, d) for name in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        feed = [("fc1", d, ffn), ("fc2", ffn, d)]
+        encoder = [(*p, "source") for p in attn + feed]
+        cross = [(n, i, o, "source" if n in ("k_proj", "v_proj") else "target") for n, i, o in attn]
+        decoder = [(*p, "target") for p in attn + feed] + cross
+        return encoder * self.encoder_layers + decoder * self.decoder_layers
+
+    def lora_params(self, r: int, targets: tuple[str, ...]) -> int:
+        """Trainable weights of a LoRA adapter of rank ``r`` on the ``targets`` projections (A: r x in, B: out x r)."""
+        return sum(r * (i + o) for name, i, o, _ in self.projections() if name in targets)
+
     def flops_per_sample(self, source_len: int, target_len: int) -> float:
         """6 x the weights each token passes through x the tokens (as bench/train_runs.py counts)."""
         d, ffn = self.d_model, self.ffn_dim
@@ -134,6 +149,11 @@ class Setup:
     source_len: int = 128
     target_len: int = 64
     attention: str = "sdpa"  # eager keeps the attention probabilities for the backward pass
+    # A LoRA run (lora_r > 0): the base is frozen (no gradients, no optimizer state), and a LoRA
+    # dropout keeps a copy of each wrapped projection's input and its mask for the backward pass.
+    lora_r: int = 0  # 0: full fine-tuning
+    lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = 0.0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -142,6 +162,8 @@ class Setup:
             raise ValueError(f"precision must be bf16, fp16 or no, got {self.precision!r}")
         if min(self.processes, self.source_len, self.target_len) < 1:
             raise ValueError("processes, source_len and target_len must be >= 1")
+        if self.lora_r < 0 or (self.lora_r and not self.lora_targets):
+            raise ValueError("a LoRA setup needs lora_r >= 1 and target modules")
 
     @property
     def family(self) -> str:
@@ -168,16 +190,25 @@ def static_bytes(shape: ModelShape, setup: Setup) -> float:
     the gradients do not exist yet (each one appears as its activations are freed), so gradients
     count only through the buckets DDP keeps for them; this matches the measured intercepts."""
     p, n = shape.params, setup.processes
+    trained = trainable_params(shape, setup)  # (all of them, but for LoRA)
     extra = FP16_EXTRA_GIB * GIB if setup.precision == "fp16" and setup.family == "ds" else 0.0
     if setup.strategy == "zero2":  # 16-bit weights; fp32 master copy and moments partitioned
-        per_param = 4 + 8 / n if setup.precision == "no" else 2 + (4 + 8) / n
+        held, per_trained = (4, 8 / n) if setup.precision == "no" else (2, (4 + 8) / n)
     elif setup.strategy == "zero3_offload":  # state on the CPU; live 16-bit weights on the GPU
-        per_param = 2 if setup.precision != "no" else 4
+        held, per_trained = (2 if setup.precision != "no" else 4), 0
     else:  # fp32 weights and moments everywhere; DDP adds its gradient buckets
-        per_param = 12 + (4 if setup.strategy == "ddp" and n > 1 else 0)
+        held, per_trained = 4, 8 + (4 if setup.strategy == "ddp" and n > 1 else 0)
         if setup.precision != "no":
-            per_param += 2  # autocast's 16-bit weight copies, kept for the backward pass
-    return per_param * p + STATIC_OVERHEAD_GIB * GIB + extra
+            held += 2  # autocast's 16-bit weight copies, kept for the backward pass
+    adapter = trained if setup.lora_r else 0  # (held beside the base's weights)
+    return held * (p + adapter) + per_trained * trained + STATIC_OVERHEAD_GIB * GIB + extra
+
+
+def trainable_params(shape: ModelShape, setup: Setup) -> int:
+    """Weights that train: all of them, or a LoRA run's adapter (its own weights are also held)."""
+    if not setup.lora_r:
+        return shape.params
+    return shape.lora_params(setup.lora_r, setup.lora_targets)
 
 
 def activation_bytes(shape: ModelShape, setup: Setup) -> float:
@@ -196,6 +227,12 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
     total = encoder + decoder + embeddings + loss
     if setup.attention == "eager":  # probabilities of every head: self, decoder self, cross
         total += b * h * (shape.encoder_layers * s * s + shape.decoder_layers * (t * t + t * s))
+    if setup.lora_r:  # each wrapped projection keeps its rank-r activation (for B's gradient) and, with a
+        # LoRA dropout, the dropped copy of its input and the mask (the input itself is kept either way)
+        keep = b + 1 if setup.lora_dropout > 0 else 0
+        for name, width, _, side in shape.projections():
+            if name in setup.lora_targets:
+                total += (s if side == "source" else t) * (width * keep + setup.lora_r * b)
     return total * ACTIVATION_SCALE[setup.family]
 
 
@@ -298,6 +335,15 @@ def strategy_of(accelerate_config: str, processes: int = 1) -> str:
     return "ddp" if processes > 1 else "single"
 
 
+def lora_setup(cfg) -> dict:
+    """Setup's LoRA fields for a TrainConfig (none for full fine-tuning)."""
+    if cfg.adapter != "lora":
+        return {}
+    # (on a GPU the fused layers recompute the dropout instead of keeping its copies: finetune/lora_layer.py)
+    dropout = 0.0 if cfg.lora_fused else cfg.lora_dropout
+    return {"lora_r": cfg.lora_r, "lora_targets": tuple(cfg.lora_target_modules), "lora_dropout": dropout}
+
+
 def gpu() -> tuple[str, float] | None:
     """(name, total GiB) of this process's GPU; None without one."""
     import torch
@@ -326,8 +372,10 @@ def resolve_batch(cfg, accelerator, model) -> int:
         source_len=cfg.max_source_length,
         target_len=cfg.max_target_length,
         attention="eager" if cfg.attention == "eager" else "sdpa",
+        **lora_setup(cfg),
     )
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    # (the base's weights: a LoRA model counts its adapter from the setup)
+    params = sum(getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if "lora_" not in n)
     shape = ModelShape.from_config(model.config, params=params)
     device = gpu()
     capacity = device[1] if device else None

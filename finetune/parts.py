@@ -29,6 +29,7 @@ from transformers import DataCollatorForSeq2Seq, get_scheduler
 
 from chat.layout import FINAL, RESULTS_FILE, TRAINING_ARGS_FILE
 from finetune import checkpoint as ckpt
+from finetune import lora
 from finetune.checkpoint import TrainingError  # (defined there, where saving raises it too)
 from finetune.config import TrainConfig
 from finetune.data import LengthGroupedSampler, row_lengths
@@ -330,13 +331,12 @@ def make_optimizer(accelerator, model, cfg, total_steps: int):
     ds = accelerator.state.deepspeed_plugin
     ds_cfg = ds.deepspeed_config if ds else {}
     no_decay = ("bias", "layer_norm.weight", "layernorm_embedding.weight")
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # (a LoRA run's base is frozen)
     groups = [
-        {
-            "params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-            "weight_decay": cfg.weight_decay,
-        },
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+        {"params": [p for n, p in trained if not n.endswith(no_decay)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in trained if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
+    groups = [group for group in groups if group["params"]]  # (LoRA has no biases or norms)
     if "optimizer" in ds_cfg:
         optimizer = DummyOptim(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     else:
@@ -409,7 +409,8 @@ class StopRequest:
 
 
 def save_final(accelerator, model, tokenizer, cfg: TrainConfig, results: dict) -> Path:
-    """save_pretrained (safetensors, full fp32 weights even under ZeRO) + everything chat needs."""
+    """save_pretrained (safetensors, full fp32 weights even under ZeRO) + everything chat needs. A
+    LoRA run's save_pretrained is peft's: its adapter files only, and no generation config (finetune/lora.py)."""
     dest = Path(cfg.output_dir) / FINAL
     tmp = Path(cfg.output_dir) / f".{FINAL}.tmp"
     # A full disk is a TrainingError naming final/, and the half-written folder goes away.
@@ -420,15 +421,19 @@ def save_final(accelerator, model, tokenizer, cfg: TrainConfig, results: dict) -
             tmp.mkdir(parents=True)
             state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
             unwrapped = accelerator.unwrap_model(model)
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            extra, base = lora.final_args(unwrapped) if cfg.adapter == "lora" else ({}, None)
+            # (peft would look the base's config up on the Hub to decide about embedding layers: none are trained)
+            options = {"save_embedding_layers": False} if base else {}
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **options)
             tokenizer.save_pretrained(tmp)
-            gen = unwrapped.generation_config
-            for key, value in generation_kwargs(cfg).items():
-                setattr(gen, key, value)
-            gen.save_pretrained(tmp)
-            (tmp / TRAINING_ARGS_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
+            if base is None:
+                gen = unwrapped.generation_config
+                for key, value in generation_kwargs(cfg).items():
+                    setattr(gen, key, value)
+                gen.save_pretrained(tmp)
+            (tmp / TRAINING_ARGS_FILE).write_text(json.dumps({**cfg.to_dict(), **extra}, indent=2))
             (tmp / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-            write_model_card(tmp, cfg, results, accelerator.num_processes)
+            write_model_card(tmp, cfg, results, accelerator.num_processes, adapter_base=base)
             # The app and a Space serve from it: safetensors writes model.safetensors 0600.
             for path in [tmp, *tmp.rglob("*")]:
                 path.chmod(0o755 if path.is_dir() else 0o644)

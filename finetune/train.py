@@ -3,11 +3,10 @@
 Run with ``accelerate launch --config_file configs/accelerate/<name>.yaml -m finetune ...`` or,
 on one process, ``python -m finetune ...``. ``train()`` is one straight path of four steps:
 
-- ``setup``: the checkpoint to resume from is chosen and verified, data and model are loaded
-  and checked (a bad file or model id fails before the run writes anything but its error event
-  and the ``phase`` events that say what setup was doing),
-  the accelerator prepares model, optimizer, scheduler and loaders, the checkpoint is restored
-  when resuming, and the ``start`` event is written;
+- ``setup``: the checkpoint to resume from is chosen and verified, data and model are loaded and
+  checked (a bad file or model id fails before the run writes anything but ``phase`` events and
+  its error), the accelerator prepares model, optimizer, scheduler and loaders, the checkpoint
+  is restored when resuming, and the ``start`` event is written;
 - ``train_epoch``: optimizer steps, with periodic logging, checks and checkpoints;
 - ``evaluate_epoch``: each epoch ends with an evaluation (and a checkpoint, except the last epoch;
   one checkpoint per step, also when a checkpoint step ends an epoch);
@@ -42,7 +41,7 @@ from transformers import AutoConfig
 from chat.layout import RESULTS_FILE
 from chat.model import configure_attention, load_model, load_tokenizer, resolve
 from finetune import checkpoint as ckpt
-from finetune import packing
+from finetune import lora, packing
 from finetune.config import TrainConfig
 from finetune.data import load_raw, tokenize
 from finetune.evaluate import evaluate_all, scores
@@ -174,7 +173,8 @@ def setup(cfg: TrainConfig) -> Run:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
     set_seed(cfg.seed)
-    positions = AutoConfig.from_pretrained(resolve(cfg.model_name_or_path)).max_position_embeddings
+    source = lora.prepare(cfg)  # the model, or a LoRA run's base (a finished adapter's, continuing it)
+    positions = AutoConfig.from_pretrained(resolve(source)).max_position_embeddings
     if positions < max(cfg.max_source_length, cfg.max_target_length):
         raise TrainingError(f"--max_source_length/--max_target_length exceed the model's {positions} positions")
     phase("tokenizing")
@@ -182,7 +182,9 @@ def setup(cfg: TrainConfig) -> Run:
         data = tokenize(raw, tokenizer, cfg)
     phase("loading the model")
     # After the accelerator exists, so ZeRO-3 can partition the weights as they load.
-    model = load_model(cfg.model_name_or_path, attn_implementation=configure_attention(cfg.attention))
+    model = load_model(source, attn_implementation=configure_attention(cfg.attention))
+    if cfg.adapter == "lora":
+        model = lora.wrap(model, cfg, source)  # the base frozen; only the LoRA pairs train
     cfg.per_device_train_batch_size = resolve_batch(cfg, accelerator, model)  # 'auto': the largest that fits
     train_dl, eval_dl, feedback_dl = make_loaders(accelerator, data, tokenizer, cfg, model.config)
     if cfg.packs:
@@ -222,9 +224,10 @@ def setup(cfg: TrainConfig) -> Run:
 def restore(run: Run, path: Path) -> None:
     """Load a checkpoint's full state (weights, optimizer, scheduler, RNGs) and continue where it was.
     Nothing between here and the loop may draw from the global RNG, or the resumed run differs."""
-    run.accelerator.load_state(str(path))
     # (choose_checkpoint checked that it parses and has completed_steps)
     state = json.loads((path / ckpt.STATE_FILE).read_text())
+    lora.check_resume(state, run.accelerator.unwrap_model(run.model), path)
+    run.accelerator.load_state(str(path), **lora.load_kwargs(run.cfg, run.zero_stage))
     run.completed = run.resumed_at = run.saved_at = state["completed_steps"]
     run.epoch, done_in_epoch = divmod(run.completed, run.steps_per_epoch)
     run.skip_batches = done_in_epoch * run.cfg.gradient_accumulation_steps
@@ -407,7 +410,9 @@ def checkpoint(run: Run) -> None:
     # The open loss window goes with it (a collective: every rank saves), for a resume to continue.
     loss_sum, count = run.accelerator.reduce(run.window.sums, "sum").tolist()
     state = {"completed_steps": run.completed, "epoch": run.epoch, ckpt.WINDOW: {"loss_sum": loss_sum, "count": count}}
-    path = ckpt.save_checkpoint(run.accelerator, run.cfg.output_dir, state, run.cfg.checkpoints_total_limit)
+    state.update(lora.checkpoint_state(run.accelerator.unwrap_model(run.model)))  # (a LoRA run's base)
+    kwargs = lora.save_kwargs(run.cfg, run.zero_stage)  # a LoRA checkpoint leaves the frozen base out
+    path = ckpt.save_checkpoint(run.accelerator, run.cfg.output_dir, state, run.cfg.checkpoints_total_limit, **kwargs)
     run.saved_at = run.completed
     run.metrics.write("checkpoint", step=run.completed, path=str(path))
 

@@ -40,6 +40,7 @@ def tiny_tokenizer(tiny_path):
 SLOW_MODULES = {
     "test_train.py",
     "test_checkpoints.py",
+    "test_lora_training.py",  # LoRA adapters: ZeRO-2 on 2 processes, resume, merge, continue
     "test_faults.py",
     "test_write_failures.py",  # runs under a file-size limit and into a read-only folder
     "test_jobs_manager.py",
@@ -47,6 +48,7 @@ SLOW_MODULES = {
     "test_app_train.py",
     "test_browser.py",
     "test_browser_train.py",  # the Train tab in a browser, desktop and phone, two tiny runs
+    "test_browser_lora.py",  # a LoRA adapter trained from the Train tab, desktop and phone
     "test_browser_loop.py",  # issue 13's loop: chat, correct, accept, retrain, compare, vote
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
     "test_browser_chat_state.py",  # saved chats' settings, the banner across two pages
@@ -64,6 +66,7 @@ SLOW_MODULES = {
 SLOW_TESTS = {
     "test_python_app_py_without_the_hub_serves_the_demo_model_at_once",  # two app start-ups
     "test_smoke_run_measures_both_recipes",  # a CPU benchmark run
+    "test_smoke_run_measures_lora_against_full",  # bench.train_lora's CPU smoke run
     "test_bench_smoke",
     "test_api_bench_smoke",  # starts python app.py
     "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)

@@ -1,14 +1,11 @@
 """What the app's Train tab does, as plain functions (``app.py`` wires them to gradio).
 
 The tab is a view on ``finetune.jobs.manager.RunManager``: the form becomes a
-``finetune.jobs.spec.JobSpec`` (the CLI's own TrainConfig plus how to launch it), the buttons
-call start / stop / resume / push, and a timer redraws the latest run from its directory
-(``webui.train_view``). So a
-page reload, a second viewer or a restarted app shows the same run; nothing about a run lives
-in the browser.
-
-The form's inputs are named after TrainConfig's fields and JobSpec's launch fields
-(``FORM_FIELDS``); the handlers receive them as a dict by those names.
+``finetune.jobs.spec.JobSpec`` (the CLI's own TrainConfig plus how to launch it), the buttons call
+start / stop / resume / push, and a timer redraws the latest run from its directory
+(``webui.train_view``). So a page reload, a second viewer or a restarted app shows the same run;
+nothing about a run lives in the browser. The form's inputs are named after TrainConfig's fields
+and JobSpec's launch fields (``FORM_FIELDS``); the handlers receive them as a dict by those names.
 
 Every action that changes something (start, stop, resume, upload, push) first calls
 ``webui.auth.require``; the refusal is a ``gr.Error`` with a message meant for the user, and so is
@@ -41,7 +38,7 @@ from finetune.jobs.spec import JobSpec, app_config, make_config
 from finetune.jobs.uploads import ensure_room, validate_upload
 from finetune.memory import gpu as gpu_info
 from finetune.writes import WriteError, writing
-from webui import train_preflight
+from webui import train_lora, train_preflight
 from webui.auth import AuthConfig, AuthError, require, who
 from webui.refusals import Refusals
 from webui.train_words import command_lines, in_form_words, preview_markdown
@@ -66,6 +63,7 @@ PRECISION_CHOICES = [
 DATA_FIELDS = ("data_source", "hub_dataset", "use_feedback", "feedback_ratio")
 FORM_FIELDS = (
     "model_name_or_path",
+    *train_lora.FIELDS,
     *DATA_FIELDS,
     "n_train",
     "n_val",
@@ -177,9 +175,9 @@ def hardware_note(gpus: int) -> str:
         )
     return (
         "🐢 **No GPU on this machine.** Real training (the 400M model) needs a GPU: on a Hugging Face Space, "
-        "pick GPU hardware under **Settings → Space hardware**. Here, runs of the `tiny` model (or continuing a "
-        "finished run) are allowed: they train on the CPU with DeepSpeed ZeRO-2 in a minute or two and show "
-        "the pipeline works, not chat quality."
+        "pick GPU hardware under **Settings → Space hardware**. Here, runs of the `tiny` model, LoRA adapters on "
+        "any base (or continuing a finished run) are allowed: they train on the CPU with DeepSpeed ZeRO-2, `tiny` "
+        "in a minute or two (it shows the pipeline works, not chat quality)."
     )
 
 
@@ -224,12 +222,14 @@ def controls_state(tab: TrainTab, token: str | None, profile) -> tuple[bool, str
 
 
 def feedback_toggled(tab: TrainTab, checked: bool, model: str | None) -> tuple:
-    """(the ratio slider, the base model, its learning rate) when "Add accepted chat feedback" is
-    (un)ticked: retraining on feedback starts from the served model when it is a finished run."""
+    """(the ratio slider, the base model, its learning rate, what to train) when "Add accepted chat
+    feedback" is (un)ticked: retraining on feedback starts from the served model when it is a
+    finished run, and on a CPU trains a LoRA adapter (minutes, within a CPU Space's memory)."""
     served = tab.served_run() if checked else None
+    adapter = gr.update(value="lora") if checked and not tab.gpus else gr.skip()
     if served is None or served == model:
-        return gr.update(visible=bool(checked)), gr.skip(), gr.skip()
-    return gr.update(visible=True), gr.update(value=served), learning_rate_for(served)
+        return gr.update(visible=bool(checked)), gr.skip(), gr.skip(), adapter
+    return gr.update(visible=True), gr.update(value=served), learning_rate_for(served), adapter
 
 
 def learning_rate_for(model: str | None) -> float:
@@ -314,7 +314,8 @@ def _spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> 
         )
     data, split_train_file = _data(values, uploads)
     data.update(_feedback(tab, values))
-    settings = {name: value for name, value in values.items() if name not in (*DATA_FIELDS, *LAUNCH_FIELDS)}
+    settings = {k: v for k, v in values.items() if k not in (*DATA_FIELDS, *LAUNCH_FIELDS, *train_lora.FIELDS)}
+    settings.update(train_lora.settings(values))  # (none for full fine-tuning or a finished adapter as base)
     settings.update({name: None for name in ZERO_IS_NONE if settings[name] in (None, "", 0)})
     settings["per_device_train_batch_size"] = train_preflight.parse_batch(settings["per_device_train_batch_size"])
     spec = JobSpec(
@@ -325,11 +326,11 @@ def _spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> 
     model = spec.config.model_name_or_path
     if spec.num_gpus > tab.gpus:
         raise ValueError(f"{spec.num_gpus} GPU(s) asked for, {tab.gpus} visible on this machine")
-    if spec.num_gpus == 0 and model != "tiny" and not Path(model).is_absolute():
-        # the 400M model on a (shared, 2-core) CPU would take hours and starve the chat
+    if spec.num_gpus == 0 and model != "tiny" and not Path(model).is_absolute() and spec.config.adapter != "lora":
+        # fully fine-tuning the 400M model on a (shared, 2-core) CPU would take hours and starve the chat
         raise ValueError(
-            f"training {model} needs a GPU (on a Space: GPU hardware). On the CPU only the "
-            "`tiny` model, or continuing a finished run, is allowed here; the README's CLI runs any."
+            f"fully fine-tuning {model} needs a GPU (on a Space: GPU hardware). On the CPU choose a LoRA adapter, "
+            "the `tiny` model, or continuing a finished run; the README's CLI runs any."
         )
     return spec
 
@@ -471,19 +472,18 @@ def resume_run(tab: TrainTab, token: str | None, profile) -> str:
         return f"▶️ Resumed run **{status.run_id}** from its last checkpoint."
 
 
-def push_run(tab: TrainTab, token: str | None, profile, repo_id: str | None, private: bool) -> str:
+def push_run(tab: TrainTab, token: str | None, profile, repo_id: str | None, private: bool, merged=False) -> str:
+    """Push the latest (finished) run: its final/ folder, or with ``merged`` an adapter run's merged model."""
     with explained("push to the Hub"):
         user = require(tab.auth, token, profile, "push a model to the Hub")
         latest = tab.manager.status()
         if latest.state != "finished":
-            raise ValueError(
-                "only a finished run can be pushed"
-                + (f"; run {latest.run_id} is {latest.state}" if latest.run_id else "")
-            )
-        url = tab.manager.push(latest.run_id, (repo_id or "").strip(), private=bool(private))
+            state = f"; run {latest.run_id} is {latest.state}" if latest.run_id else ""
+            raise ValueError(f"only a finished run can be pushed{state}")
+        url = tab.manager.push(latest.run_id, (repo_id or "").strip(), private=bool(private), merged=bool(merged))
         log.info("run %s pushed to %s (%s)", latest.run_id, url, user)
         gr.Info(f"Pushed to {url}")
-        return f"⬆️ Pushed run **{latest.run_id}** to {url}"
+        return f"⬆️ Pushed run **{latest.run_id}**{' (merged into its base)' if merged else ''} to {url}"
 
 
 def server_paths_hidden(text: str, tab: TrainTab) -> str:

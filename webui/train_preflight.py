@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chat.layout import SAMPLE_DIR
-from finetune import memory
+from finetune import lora, memory
 from finetune.jobs.command import CONFIG_FILES, gpu_supports_bf16
 from finetune.jobs.spec import JobSpec, int_or_auto, make_config
+from webui import train_lora
 
 BATCH_LABEL = "Train batch (per device)"
 # The form's fields the line depends on (the tab recomputes it when one changes).
 FIELDS = (
     "model_name_or_path",
+    *train_lora.FIELDS,
     "data_source",
     "n_train",
     "per_device_train_batch_size",
@@ -72,6 +74,7 @@ def _setup(spec: JobSpec) -> memory.Setup:
         source_len=cfg.max_source_length,
         target_len=cfg.max_target_length,
         attention="eager" if cfg.attention == "eager" else "sdpa",
+        **memory.lora_setup(cfg),
     )
 
 
@@ -79,16 +82,18 @@ def assess(spec: JobSpec, gpu: tuple[str, float] | None, train_rows: int | None 
     """The pre-flight line of ``spec`` on GPUs described by ``gpu`` ((name, total GiB) of one;
     None: not known), and the refusal of a batch that will not fit."""
     batch = spec.config.per_device_train_batch_size
+    model = lora.base_model(spec.config) if spec.config.adapter == "lora" else spec.config.model_name_or_path
+    shape = memory.ModelShape.local(model)
+    trained = adapter_note(spec, shape)
     if spec.num_gpus == 0:
         text = (
             f"CPU run: `auto` means the CPU default, {memory.CPU_BATCH} rows per process, and no GPU memory "
             "estimate applies"
         )
         return Preflight(
-            f"🧮 **Pre-flight:** {text}" + (f"; this run: {batch} rows per process." if batch != "auto" else ".")
+            f"🧮 **Pre-flight:** {trained}{text}"
+            + (f"; this run: {batch} rows per process." if batch != "auto" else ".")
         )
-    model = spec.config.model_name_or_path
-    shape = memory.ModelShape.local(model)
     if shape is None:  # (a local folder has a config.json: JobSpec checked; named here only as "this model")
         shown = "this model" if Path(model).is_absolute() else f"`{model}`"
         return Preflight(
@@ -107,7 +112,25 @@ def assess(spec: JobSpec, gpu: tuple[str, float] | None, train_rows: int | None 
         return Preflight(f"⛔ **Pre-flight:** {err}. Start is refused until it fits.", refusal=str(err))
     est = memory.estimate(shape, picked, setup, capacity, gpu_name=name, train_rows=train_rows)
     what = f"`auto` picks {picked:,} rows per GPU" if batch == "auto" else f"batch {picked:,} per GPU"
-    return Preflight(f"🧮 **Pre-flight:** {what}: {memory.preflight_line(est)} ({name}, {setup.precision}).")
+    line = f"{trained}{what}: {memory.preflight_line(est)} ({name}, {setup.precision})."
+    return Preflight(f"🧮 **Pre-flight:** {line}")
+
+
+def adapter_note(spec: JobSpec, shape: memory.ModelShape | None) -> str:
+    """For a LoRA run, what trains: "LoRA trains 3.6M of 365M weights (0.98%); " (the base is frozen:
+    no gradients or optimizer state for it, in the memory estimate too)."""
+    cfg = spec.config
+    if cfg.adapter != "lora":
+        return ""
+    if shape is None:
+        return f"LoRA r {cfg.lora_r} on {', '.join(cfg.lora_target_modules)}; "
+    trained = shape.lora_params(cfg.lora_r, tuple(cfg.lora_target_modules))
+    share = 100 * trained / shape.params
+    return f"LoRA trains {_millions(trained)} of {_millions(shape.params)} weights ({share:.2f}%); "
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
 
 
 def preflight(gpus: int, gpu: tuple[str, float] | None, values: Mapping) -> Preflight:
@@ -122,6 +145,7 @@ def preflight(gpus: int, gpu: tuple[str, float] | None, values: Mapping) -> Pref
                 per_device_train_batch_size=parse_batch(values["per_device_train_batch_size"]),
                 max_source_length=values["max_source_length"],
                 max_target_length=values["max_target_length"],
+                **train_lora.settings(values),
             ),
             strategy=values["strategy"],
             precision=values["precision"],

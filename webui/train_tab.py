@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from webui import auth, review_tab
+from webui import auth, review_tab, train_lora
 from webui import train_handlers as handlers
 from webui import train_preflight as preflight
 from webui import train_view as view
@@ -143,6 +143,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 info="train/validation splits, texts/labels columns",
                 **locked,
             )
+        form.update(train_lora.build(defaults, locked))  # full fine-tuning or a LoRA adapter
         with gr.Row(elem_classes="train-pair"):
             form["use_feedback"] = gr.Checkbox(
                 defaults["use_feedback"],
@@ -336,11 +337,14 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 label="Push the finished run to", placeholder="user/my-chat-e", max_length=200, scale=3, **locked
             )
             push_private = gr.Checkbox(False, label="Private repo", scale=1, elem_id="train-push-private", **locked)
+            push_merged = gr.Checkbox(
+                False, label="Merge LoRA into base", scale=1, elem_id="train-push-merged", **locked
+            )
             push = gr.Button("Push to Hub", scale=1, elem_id="train-push", **locked)
     gr.HTML(CSS, elem_id="train-css", padding=False, js_on_load=PAGE_JS)
     timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
     unlocked = [*(c for name, c in form.items() if name != "num_gpus" or train.gpus), train_file, val_file]
-    unlocked += [start, stop, resume, push_repo, push_private, push]
+    unlocked += [start, stop, resume, push_repo, push_private, push_merged, push]
 
     # ---- events: each handler checks the login itself (train_handlers / webui.auth)
     # A refusal raises gr.Error (what API clients get) and is noted for the page: each event's
@@ -379,8 +383,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         return handlers.resume_run(train, token, profile)
 
     @noted
-    def do_push(token: str | None, profile: gr.OAuthProfile | None, repo, is_private, request: gr.Request):
-        return handlers.push_run(train, token, profile, repo, is_private)
+    def do_push(token: str | None, profile: gr.OAuthProfile | None, repo, is_private, merged, request: gr.Request):
+        return handlers.push_run(train, token, profile, repo, is_private, merged)
 
     one_at_a_time = {"concurrency_limit": 1, "concurrency_id": "train"}
     quiet = {"queue": False, "show_progress": "hidden", **PRIVATE}
@@ -414,7 +418,12 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         stop.click(do_stop, session, action, api_name="train_stop", **one_at_a_time, **PRIVATE),
         resume.click(do_resume, session, action, api_name="train_resume", **one_at_a_time, **PRIVATE),
         push.click(
-            do_push, [session, push_repo, push_private], action, api_name="train_push", **one_at_a_time, **PRIVATE
+            do_push,
+            [session, push_repo, push_private, push_merged],
+            action,
+            api_name="train_push",
+            **one_at_a_time,
+            **PRIVATE,
         ),
     ]
     for event in actions:  # a refusal replaces what the last action said ("Started run …")
@@ -432,7 +441,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     form["use_feedback"].change(
         lambda checked, model: handlers.feedback_toggled(train, checked, model),
         [form["use_feedback"], form["model_name_or_path"]],
-        [form["feedback_ratio"], form["model_name_or_path"], form["learning_rate"]],
+        [form["feedback_ratio"], form["model_name_or_path"], form["learning_rate"], form["adapter"]],
         queue=False,
         **PRIVATE,
     )

@@ -87,9 +87,10 @@ def training_args(config: TrainConfig, full: bool = False) -> list[str]:
     Every field whose value differs from its default becomes its flag (with ``full``, every field
     that has a value, defaults too: the command then says every setting, as a run's command
     does), in TrainConfig's order (output_dir and resume last); booleans as ``--flag`` / ``--flag
-    false``; a value that starts with "-" as one token ``--name=value``, so argparse never takes
-    it for an option (a source prefix may start with one). None is no flag's value: a field left
-    unset stays unset, and one set to None where the default is not is a ValueError."""
+    false``; module names comma-separated (``--lora_target_modules q_proj,v_proj``); a value that
+    starts with "-" as one token ``--name=value``, so argparse never takes it for an option (a
+    source prefix may start with one). None is no flag's value: a field left unset stays unset,
+    and one set to None where the default is not is a ValueError."""
     fields = sorted(dataclasses.fields(TrainConfig), key=lambda f: f.name in _LAST)  # stable: order kept
     args = []
     for f in fields:
@@ -103,6 +104,7 @@ def training_args(config: TrainConfig, full: bool = False) -> list[str]:
             raise ValueError(f"{f.name} cannot be None on the command line (its default is {default!r})")
         else:
             text = repr(value) if isinstance(value, float) else str(value)
+            text = ",".join(value) if isinstance(value, tuple) else text  # module names
             args += [f"--{f.name}={text}"] if text.startswith("-") else [f"--{f.name}", text]
     return args
 

@@ -18,6 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
+from chat.adapters import is_adapter_dir
 from chat.layout import FINAL, RESULTS_FILE, is_hub_id
 from finetune import checkpoint as ckpt
 from finetune.jobs import paths, process
@@ -29,6 +30,9 @@ from finetune.jobs.uploads import write_split
 from finetune.writes import writing
 
 log = logging.getLogger(__name__)
+
+
+MERGED = "merged"  # RUN/merged/: an adapter run's full model, made for a push of the merged model
 
 
 class RunBusyError(RuntimeError):
@@ -225,32 +229,53 @@ class RunManager:
         return self.status(run_id)
 
     def finished_runs(self) -> list[tuple[str, str]]:
-        """(label, final folder) of every finished run, newest first: "<run_id> (BLEU 12.3)"."""
+        """(label, final folder) of every finished run, newest first: "<run_id> (BLEU 12.3)", and
+        "<run_id> (BLEU 12.3, LoRA adapter)" for an adapter run."""
         out = []
         for run_id in self.runs():
             final = self.root / run_id / FINAL
-            if not (final / "config.json").is_file():
+            adapter = is_adapter_dir(final)
+            if not adapter and not (final / "config.json").is_file():
                 continue
-            label = run_id
+            notes = []
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-                bleu = json.loads((final / RESULTS_FILE).read_text())["eval_bleu"]
-                label = f"{run_id} (BLEU {bleu:.1f})"
-            out.append((label, str(final)))
+                notes.append(f"BLEU {json.loads((final / RESULTS_FILE).read_text())['eval_bleu']:.1f}")
+            if adapter:
+                notes.append("LoRA adapter")
+            out.append((f"{run_id} ({', '.join(notes)})" if notes else run_id, str(final)))
         return out
 
-    def push(self, run_id: str, repo_id: str, private: bool = False) -> str:
-        """Upload a finished run's final/ folder to the Hub; returns the repo URL.
+    def push(self, run_id: str, repo_id: str, private: bool = False, merged: bool = False) -> str:
+        """Upload a finished run's final/ folder to the Hub (an adapter run's: the adapter, or with
+        ``merged`` the full model merged from it, kept in RUN/merged/); returns the repo URL.
         ``finetune.hub.HubError`` (clear message, token scrubbed) propagates."""
         run_dir = self._dir(run_id)
         final = run_dir / FINAL
-        if not (final / "config.json").is_file():
+        adapter = is_adapter_dir(final)
+        if not adapter and not (final / "config.json").is_file():
             raise ValueError(f"run {run_id} has no final model to push (it has not finished)")
+        if merged and not adapter:
+            raise ValueError(f"run {run_id} trained a full model: there is no adapter to merge (push it as it is)")
         repo_id = (repo_id or "").strip()
         if not is_hub_id(repo_id, owner=True):
             raise ValueError(f"Hub repo id must look like 'user/name', got {repo_id!r}")
         from finetune.hub import push
 
-        url = push(final, repo_id, private=private)
+        folder = self.merged(run_id) if merged else final
+        url = push(folder, repo_id, private=private)
         # recorded like the CLI's own push, so every viewer (and a restarted app) sees it
-        ckpt.MetricsWriter(run_dir, enabled=True).write("pushed", repo=repo_id, url=url)
+        extra = {"merged": True} if merged else {}
+        ckpt.MetricsWriter(run_dir, enabled=True).write("pushed", repo=repo_id, url=url, **extra)
         return url
+
+    def merged(self, run_id: str) -> Path:
+        """RUN/merged/: the run's adapter merged into its base (``finetune.merge``), made once."""
+        from finetune.merge import MergeError, merge
+
+        folder = self._dir(run_id) / MERGED
+        if (folder / "config.json").is_file():
+            return folder
+        try:
+            return merge(self._dir(run_id) / FINAL, folder)
+        except MergeError as err:
+            raise ValueError(f"cannot merge run {run_id}'s adapter: {err}") from None

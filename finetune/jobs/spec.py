@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from chat.adapters import base_of, is_adapter_dir
 from chat.layout import is_hub_id
 from chat.model import MODEL_PRESETS
 from finetune.config import TrainConfig
@@ -73,6 +74,8 @@ LIMITS = {
     "n_val_batch_generations": 1000,
     "dataloader_num_workers": 64,
     "learning_rate": 1.0,
+    "lora_r": 1024,
+    "lora_alpha": 65536,
 }
 
 # The flat spec of run folders written before finetune/jobs: its names that TrainConfig spells otherwise.
@@ -152,6 +155,9 @@ def make_config(**values) -> TrainConfig:
         if set(args) == {int, str}:  # per_device_train_batch_size: a number or 'auto'
             typed[name] = int_or_auto(name, value)
             continue
+        if _HINTS[name] == tuple[str, ...]:  # lora_target_modules: a list or "a,b" (TrainConfig checks the names)
+            typed[name] = tuple(value) if isinstance(value, list) else value
+            continue
         kind = next((a for a in args if a is not type(None)), _HINTS[name])
         typed[name] = _typed(name, value, kind, optional=type(None) in args)
     longest = typed.get("val_max_target_length") or typed.get("max_target_length", default("max_target_length"))
@@ -213,8 +219,8 @@ def _feedback(cfg: TrainConfig) -> dict:
 
 
 def checked_model(value: str) -> str:
-    """A run's base model: a preset, an allowed local model folder (as its resolved absolute
-    path) or a Hub id; ValueError saying why not otherwise."""
+    """A run's base model: a preset, an allowed local model folder or finished adapter run (as its
+    resolved absolute path: an adapter is trained further) or a Hub id; ValueError saying why not otherwise."""
     model = value.strip()
     if not model:
         raise ValueError("model is required (a preset such as 'tiny', a Hub id, or a finished run)")
@@ -222,8 +228,12 @@ def checked_model(value: str) -> str:
         return model
     path = local_path(model, "model")
     if path is not None:
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model {model!r} is not a model folder (no config.json)")
+        if is_adapter_dir(path):  # the run loads its base too: one the app may load
+            base = base_of(path)[0]
+            if is_adapter_dir(base) or checked_model(base) != base:
+                raise ValueError(f"model {model!r}: its adapter's base {base!r} is not one the app may train on")
+        elif not (path / "config.json").is_file():
+            raise ValueError(f"model {model!r} is not a model folder (no config.json) nor a LoRA adapter's")
         return str(path)
     if not is_hub_id(model):
         raise ValueError(
@@ -279,6 +289,10 @@ class JobSpec:
             if changes["hub_model_id"] and not is_hub_id(changes["hub_model_id"], owner=True):
                 raise ValueError(f"Hub model id must look like 'user/name', got {cfg.hub_model_id!r}")
         self.config = dataclasses.replace(cfg, **changes)
+        if is_adapter_dir(self.config.model_name_or_path):  # a finished adapter run: trained further, as it is
+            from finetune.lora import continued_settings
+
+            self.config = dataclasses.replace(self.config, adapter="lora", **continued_settings(self.config))
 
     def _data(self, cfg: TrainConfig) -> dict:
         """The config's data fields checked (and the upload to split): local files resolved."""

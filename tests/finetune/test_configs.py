@@ -359,3 +359,70 @@ def test_attention_choices_are_checked():
     with pytest.raises(SystemExit):
         parse_args(["--attention", "flash_attention_2"])
     assert model.configure_attention("eager") == "eager"
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+def test_adapter_flags_default_to_full_fine_tuning_and_parse():
+    from chat.adapters import LORA_TARGETS
+
+    cfg = TrainConfig()
+    assert (cfg.adapter, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == ("none", 8, 16, 0.05)
+    assert cfg.lora_target_modules == LORA_TARGETS
+    flags = "--adapter lora --lora_r 16 --lora_alpha 32 --lora_dropout 0 --lora_target_modules q_proj,v_proj,,q_proj"
+    cfg = parse_args(flags.split())
+    assert (cfg.adapter, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == ("lora", 16, 32, 0.0)
+    assert cfg.lora_target_modules == ("q_proj", "v_proj")  # order kept, blanks and repeats dropped
+    assert json.loads(json.dumps(cfg.to_dict()))["lora_target_modules"] == ["q_proj", "v_proj"]
+    assert TrainConfig(adapter="lora", lora_target_modules=["fc1", "fc2"]).lora_target_modules == ("fc1", "fc2")
+
+
+def test_adapter_settings_from_yaml(tmp_path):
+    path = write_yaml(tmp_path, "adapter: lora\nlora_r: 4\nlora_dropout: 1e-1\nlora_target_modules: [q_proj, fc2]\n")
+    cfg = parse_args(["--config", path])
+    assert (cfg.lora_r, cfg.lora_dropout, cfg.lora_target_modules) == (4, 0.1, ("q_proj", "fc2"))
+    path = write_yaml(tmp_path, "adapter: lora\nlora_target_modules: q_proj, k_proj\n")  # text works too
+    assert parse_args(["--config", path]).lora_target_modules == ("q_proj", "k_proj")
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--adapter", "qlora"], "--adapter must be one of none, lora, got 'qlora'"),
+        (["--adapter", "lora", "--lora_r", "0"], "--lora_r must be >= 1, got 0"),
+        (["--adapter", "lora", "--lora_alpha", "0"], "--lora_alpha must be >= 1, got 0"),
+        (["--adapter", "lora", "--lora_dropout", "1"], "--lora_dropout must be >= 0 and < 1, got 1.0"),
+        (["--adapter", "lora", "--lora_dropout", "-0.1"], "--lora_dropout must be >= 0 and < 1"),
+        (["--adapter", "lora", "--lora_dropout", "nan"], "--lora_dropout must be >= 0 and < 1"),
+        (["--adapter", "lora", "--lora_r", "2.5"], "invalid int value"),
+        (
+            ["--adapter", "lora", "--lora_target_modules", "q_proj,query,lm_head"],
+            "unknown module(s) query, lm_head; BlenderBot's are q_proj, k_proj, v_proj, out_proj, fc1, fc2",
+        ),
+        (["--adapter", "lora", "--lora_target_modules", ","], "--lora_target_modules needs at least one of"),
+        (["--lora_r", "16"], "--lora_r needs --adapter lora"),
+        (["--lora_target_modules", "q_proj"], "--lora_target_modules needs --adapter lora"),
+    ],
+)
+def test_bad_adapter_settings_are_refused(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("adapter: lora\nlora_target_modules: [q_proj, 3]\n", "must be module names"),
+        ("adapter: lora\nlora_target_modules: {q_proj: 1}\n", "must be module names"),
+        ("adapter: lora\nlora_target_modules: [attn]\n", "unknown module(s) attn"),
+        ("adapter: lora\nlora_r: [1]\n", "lora_r"),
+    ],
+)
+def test_bad_adapter_settings_in_yaml(text, needle, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--config", write_yaml(tmp_path, text)])
+    assert needle in capsys.readouterr().err

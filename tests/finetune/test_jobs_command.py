@@ -195,6 +195,8 @@ def _random_config(rng: random.Random) -> TrainConfig | None:
         # A dataset name is checked as a Hub id or a loader's name: random text is mostly refused.
         "dataset_name": ("smangrul/MuDoConv", "me/my-dialogues", "json"),
         "lr_scheduler_type": ("linear", "cosine", "constant"),
+        "adapter": ("none", "lora", "lora"),
+        "lora_target_modules": (("q_proj",), ("fc2", "v_proj"), ("q_proj", "k_proj", "v_proj", "out_proj")),
     }
     texts = ("", "-x: ", "--num_beams 9 ", "chat bot's: ", "a=b", "runs/x y", "ünï ☃")
     values = {}
@@ -212,6 +214,8 @@ def _random_config(rng: random.Random) -> TrainConfig | None:
             values[f.name] = rng.choice([1e-6, 3e-4, 5e-5, 0.1, 1.0, 2.5, 1e-3, 0.30000000000000004])
         else:
             values[f.name] = rng.choice(texts)
+    if values.get("adapter") != "lora":  # (the --lora_* settings need --adapter lora)
+        values = {name: value for name, value in values.items() if not name.startswith("lora_")}
     if rng.random() < 0.3:
         values.update(train_file="/data/my train.jsonl", validation_file="-odd.jsonl")
     try:

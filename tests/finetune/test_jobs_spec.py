@@ -87,7 +87,7 @@ def test_spec_upper_bounds(roots, kwargs, message):
 
 def test_spec_accepts_values_at_the_bounds(roots):
     at = {name: limit for name, limit in LIMITS.items() if name != "val_min_target_length"}
-    made = spec(**at)
+    made = spec(**at, adapter="lora")  # (the lora_* bounds: a LoRA run)
     assert all(getattr(made.config, name) == limit for name, limit in at.items())
     assert parse_args(["--num_beams", "1000", "--num_train_epochs", "100000"]).num_beams == 1000  # the CLI: as it was
 

@@ -64,7 +64,7 @@ def guarded_calls(served: App, upload: Path) -> dict:
         "train_start": run_form(served.tab),
         "train_stop": [],
         "train_resume": [],
-        "train_push": ["someone/chat", False],
+        "train_push": ["someone/chat", False, False],
         "review_accept": [],  # (the selected row is server-side state)
         "review_reject": [],
         "review_save": ["a better reply"],
@@ -237,5 +237,5 @@ def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, uploa
     assert caller.client.predict("hi! how are you?", "none", "", api_name="/chat").strip()
     # a push needs the Hub: offline it fails with the reason, and the app keeps serving
     with pytest.raises(AppError, match="could not push"):
-        caller("train_push", "someone/chat-e", False)
+        caller("train_push", "someone/chat-e", False, False)
     assert caller.client.predict("still there?", "none", "", api_name="/chat").strip()

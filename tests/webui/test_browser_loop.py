@@ -172,6 +172,10 @@ def test_chat_correct_accept_retrain_measure_compare_vote(served, page, shots, r
     # ---- 3. a run on the accepted feedback only, from the served demo model
     page.locator("#train-feedback input[type=checkbox]").check()
     expect(page.locator("#train-model input")).to_have_value("demo model (bundled; what the chat serves offline)")
+    # On a CPU the retrain defaults to a LoRA adapter; this loop fully fine-tunes the demo model (a full
+    # model, which this step's chat engine and the Compare tab below load as they are)
+    expect(page.locator("#train-adapter input[value=lora]")).to_be_checked()
+    page.locator("#train-adapter").get_by_text("Full fine-tuning").click()
     ratio = page.locator("#train-feedback-ratio input[type=number]")
     ratio.fill("1")
     ratio.press("Enter")

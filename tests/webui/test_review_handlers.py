@@ -180,14 +180,19 @@ def test_ticking_feedback_preselects_the_served_run(tab):
     (run_dir / "run.json").write_text(json.dumps({"run_id": run_dir.name, "spec": spec.to_dict(), "metrics_offset": 0}))
     final = run_dir / "final"
     assert tab.manager.finished_runs() == [(run_dir.name, str(final))]
-    slider, model, lr = train_handlers.feedback_toggled(tab, True, "tiny")
+    slider, model, lr, adapter = train_handlers.feedback_toggled(tab, True, "tiny")
     assert slider["visible"] and model == gr.skip()  # nothing served that is a run (no engine: tab.serving unset)
+    assert adapter["value"] == "lora"  # on a CPU (this tab has no GPU) the retrain trains a LoRA adapter
+    tab.gpus = 1
+    assert train_handlers.feedback_toggled(tab, True, "tiny")[3] == gr.skip()  # a GPU: as the form says
+    assert train_handlers.feedback_toggled(tab, False, "tiny")[3] == gr.skip()
+    tab.gpus = 0
     tab.serving = lambda: str(DEMO_DIR)  # the bundled demo model (served offline) can be retrained too
     assert train_handlers.feedback_toggled(tab, True, "tiny")[1]["value"] == str(DEMO_DIR)
     assert ("demo model (bundled; what the chat serves offline)", str(DEMO_DIR)) in train_handlers.base_model_choices(
         tab
     )
     tab.serving = lambda: str(final)
-    slider, model, lr = train_handlers.feedback_toggled(tab, True, "tiny")
+    slider, model, lr, _ = train_handlers.feedback_toggled(tab, True, "tiny")
     assert model["value"] == str(final) and lr == train_handlers.learning_rate_for(str(final))
     assert train_handlers.feedback_toggled(tab, False, "tiny")[0]["visible"] is False

@@ -162,7 +162,7 @@ def test_spec_from_form_maps_every_field(tab):
         ({"data_source": "hub", "hub_dataset": "hf://datasets/csv"}, "not 'sample' or a Hub dataset id.*upload it"),
         ({"model_name_or_path": "/etc"}, "outside the allowed folders"),
         ({"model_name_or_path": ""}, "model is required"),
-        ({"model_name_or_path": DEFAULT_MODEL}, "needs a GPU .* only the `tiny` model"),
+        ({"model_name_or_path": DEFAULT_MODEL}, "needs a GPU .* choose a LoRA adapter, the `tiny` model"),
         ({"model_name_or_path": "random-400M"}, "needs a GPU"),
         ({"num_gpus": 1}, r"1 GPU\(s\) asked for, 0 visible"),
         ({"strategy": "ddp"}, "needs GPUs"),
