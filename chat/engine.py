@@ -220,7 +220,7 @@ class ChatEngine:
             name, fingerprint = base_of(folder)
             base = _load_base(folder, name, fingerprint, None)
             self.warm_up(base)
-            loaded = apart(adapter_model, base, folder, self._models.claim(spec, str(folder)))
+            loaded = apart(adapter_model, base, folder, self._models.claim(spec, str(folder)), name)
             self.warm_up(loaded)
             with self._swap:
                 self._models.set_base(base)
@@ -247,7 +247,7 @@ class ChatEngine:
         known = self._models.by_folder(folder)
         if known is not None and self._models.attached(known) and not base.host.changed(known.adapter):
             return known
-        loaded = apart(adapter_model, base, folder, self._models.claim(spec, str(folder)))
+        loaded = apart(adapter_model, base, folder, self._models.claim(spec, str(folder)), name)
         self.warm_up(loaded)
         self._models.add(loaded)
         self._models.evict(keep=self._current)

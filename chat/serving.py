@@ -99,6 +99,15 @@ class _Attached:
     stamp: tuple[int, int]  # the weights file's (mtime, size) when attached
 
 
+def _why(err: Exception) -> str:
+    """The telling line of a failed attach: torch's first size mismatch, else the first line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    shapes = [line for line in lines if line.startswith("size mismatch")]
+    if shapes:
+        return f"shapes differ ({shapes[0].removeprefix('size mismatch for ')})"
+    return lines[0][:300] if lines else type(err).__name__
+
+
 def _stamp(folder: Path) -> tuple[int, int]:
     stat = (folder / ADAPTER_WEIGHTS).stat()
     return stat.st_mtime_ns, stat.st_size
@@ -176,10 +185,7 @@ class Host:
                     raise AdapterError(f"its weights do not match the model's layers ({', '.join(keys[:2])})")
             except (AdapterError, RuntimeError, ValueError, KeyError) as err:
                 self._remove(name)
-                why = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-                raise AdapterError(
-                    f"{label} (a LoRA adapter of {base_label}) does not fit the model found: {why}"
-                ) from None
+                raise AdapterError(f"{label} does not fit {base_label}, the model found: {_why(err)}") from None
             size = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if f".{name}." in n)
             self._attached[name] = _Attached(folder, size, stamp)
             self._active = None  # injecting may leave other layers active than the ones set last
@@ -229,10 +235,11 @@ class Host:
             yield
 
 
-def adapter_model(base: LoadedModel, folder: Path, public_id: str) -> LoadedModel:
+def adapter_model(base: LoadedModel, folder: Path, public_id: str, named: str | None = None) -> LoadedModel:
     """The adapter in ``folder`` attached to ``base`` (whose ``host`` is made if it has none), as a
     model the engine serves: its own tokenizer and input format (training_args.json), the base's
-    model object. Raises AdapterError if it does not fit."""
+    model object. ``named`` is the base the adapter names (for errors). Raises AdapterError if it
+    does not fit."""
     if base.host is None:
         base.host = Host(base)
     host: Host = base.host
@@ -246,7 +253,8 @@ def adapter_model(base: LoadedModel, folder: Path, public_id: str) -> LoadedMode
                 "another base model"
             )
     name = host.new_name()
-    host.attach(folder, name, public_id, base.id)
+    label = public_id if named is None else f"{public_id} (a LoRA adapter of {model_id(named)})"
+    host.attach(folder, name, label, base.id)
     prefix, max_len = input_format(trained, base.model.config.max_position_embeddings)
     return LoadedModel(
         str(folder), base.model, tokenizer, prefix, max_len, trained, base.fingerprint, public_id, name, folder, host
