@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from chat.adapters import ADAPTER_WEIGHTS, is_adapter_dir
 from chat.layout import FINAL
 from chat.loading import CheckpointError, LoadedModel, input_format, model_id, training_args
+from chat.lora import ServedLoraLinear
 from chat.model import MODEL_PRESETS, load_tokenizer, resolve
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class Host:
                 "the chat serves adapters that only add LoRA weights."
             )
         config.inference_mode = True
+        # peft builds our Linear where it would build its own (the same numbers, a leaner forward).
+        config._register_custom_module({torch.nn.Linear: ServedLoraLinear})
         try:
             stamp = _stamp(folder)
             state = load_file(str(folder / ADAPTER_WEIGHTS))
@@ -178,6 +181,7 @@ class Host:
                     warnings.filterwarnings("ignore", message="Already found a `peft_config`")
                     inject_adapter_in_model(config, self.model, adapter_name=name, low_cpu_mem_usage=True)
                 self._wrapped = True
+                self.model.eval()  # the new layers too: their dropout must not drop at inference
                 result = set_peft_model_state_dict(self.model, state, adapter_name=name, low_cpu_mem_usage=True)
                 missing = [k for k in result.missing_keys if f".{name}." in k]
                 if result.unexpected_keys or missing:

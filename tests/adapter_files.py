@@ -29,15 +29,19 @@ def make_adapter(
     targets: tuple[str, ...] = LORA_TARGETS,
     scale: float = 1.0,
     prefix: str = "chatbot: ",
+    dropout: float = 0.05,
 ) -> Path:
     """A LoRA adapter of ``base`` in ``run_dir/final`` (returned). Its A and B are random, not
     zero (peft's ``init_lora_weights=False``; B scaled by ``scale``), so it changes the replies:
     each ``seed`` gives another adapter. ``base_name`` is what adapter_config.json names as the
-    base (default: ``base`` as given); ``fingerprint`` records the base's in training_args.json."""
+    base (default: ``base`` as given); ``fingerprint`` records the base's in training_args.json.
+    ``dropout`` is training's default: LoRA dropout must do nothing when the adapter serves."""
     torch.manual_seed(seed)
     model = load_model(str(base))
     recorded = model_fingerprint(model)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False)
+    config = LoraConfig(
+        r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=list(targets), init_lora_weights=False
+    )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -54,7 +58,7 @@ def make_adapter(
         "adapter": "lora",
         "lora_r": r,
         "lora_alpha": 2 * r,
-        "lora_dropout": 0.0,
+        "lora_dropout": dropout,
         "lora_target_modules": list(targets),
         "source_prefix": prefix,
         "max_source_length": 128,

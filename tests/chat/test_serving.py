@@ -18,6 +18,7 @@ from transformers import BlenderbotConfig, BlenderbotForConditionalGeneration, G
 import chat.loading
 from chat.adapters import ADAPTER_WEIGHTS
 from chat.engine import DEMO_DIR, GENERATION_PRESETS, ChatEngine, Conversation, InputError, load_checkpoint
+from chat.lora import ServedLoraLinear
 from chat.model import load_model, load_tokenizer
 from chat.optimize import Int8Linear
 from chat.serving import AdapterError
@@ -237,6 +238,32 @@ def test_int8_serves_an_adapter_with_fp32_lora_weights(adapters):
     assert error < 0.08 and error < (plain - theirs).norm() / theirs.norm() / 2
     assert engine.reply(Conversation("none", "", model="demo-model"), HELLO)[0] == base_reply
     assert engine.reply(Conversation("none", ""), HELLO)[0]  # the adapter replies through the engine
+
+
+def test_the_lean_cpu_forward_gives_peft_forwards_numbers(adapters, monkeypatch):
+    """chat.lora.ServedLoraLinear's straight path against peft's own forward, on the int8 base (where
+    peft's PeftModel cannot run): the same logits to the bit, the same replies; and it is the path
+    the replies took."""
+    engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="int8"), "int8")
+    engine.swap(str(adapters["bob"]))
+    loaded = engine.current
+    calls = []
+    real = ServedLoraLinear._lean_adapter
+    monkeypatch.setattr(ServedLoraLinear, "_lean_adapter", lambda *a: calls.append(real(*a)) or calls[-1])
+    encoded, _ = engine.build_input(Conversation("none", "", [HELLO]), loaded)
+    decoder = torch.tensor([[1, 5, 17, 42, 99, 7]])
+    results = {}
+    for lean in (True, False):
+        monkeypatch.setattr(ServedLoraLinear, "lean", lean)
+        with torch.inference_mode(), loaded.activated():
+            logits = loaded.model(**encoded, decoder_input_ids=decoder).logits
+        results[lean] = (
+            logits,
+            [engine.reply(Conversation("persona", p), HELLO)[0] for p in ("i love dogs.", "i am a nurse.")],
+        )
+        if lean:
+            assert calls and all(name == loaded.adapter for name in calls)  # the straight path served them
+    assert torch.equal(results[True][0], results[False][0]) and results[True][1] == results[False][1]
 
 
 def test_each_adapter_gets_cuda_graphs_of_its_own(tiny_path):
