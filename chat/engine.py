@@ -231,19 +231,36 @@ class ChatEngine:
         self._models.evict(keep=loaded)
         return self.status
 
+    def serves_on_base(self, spec: str) -> bool:
+        """Is ``spec`` the base served now or an adapter of it (servable without loading a base)?"""
+        try:
+            self._on_base(spec)
+        except (NotOnBase, ValueError):
+            return False
+        return True
+
+    def _on_base(self, spec: str):
+        """(adapter folder or None, the base it names or None), if ``spec`` serves on the base
+        served now; else NotOnBase."""
+        base = self._models.base
+        folder = adapter_dir(spec)
+        if folder is None:
+            if canonical(spec) == canonical(base.name):
+                return None, None
+            raise NotOnBase(f"{model_id(spec)} is not {base.id} or an adapter of it")
+        name, fingerprint = base_of(folder)
+        if not base_matches(base, name, fingerprint):
+            raise NotOnBase(f"{model_id(spec)} is an adapter of {model_id(name)}, not of {base.id}")
+        return folder, name
+
     def load(self, spec: str) -> LoadedModel:
         """Make ``spec`` servable on the base served now, without changing what new conversations
         start with: the base itself, or an adapter of it (attached now unless it is attached and
         unchanged on disk). NotOnBase if it needs another base; AdapterError if it does not fit."""
         base = self._models.base
-        folder = adapter_dir(spec)
+        folder, name = self._on_base(spec)
         if folder is None:
-            if canonical(spec) == canonical(base.name):
-                return base
-            raise NotOnBase(f"{model_id(spec)} is not {base.id} or an adapter of it")
-        name, fingerprint = base_of(folder)
-        if not base_matches(base, name, fingerprint):
-            raise NotOnBase(f"{model_id(spec)} is an adapter of {model_id(name)}, not of {base.id}")
+            return base
         known = self._models.by_folder(folder)
         if known is not None and self._models.attached(known) and not base.host.changed(known.adapter):
             return known
@@ -382,8 +399,16 @@ class ChatEngine:
         """Yield the reply so far as it is generated (once, at the end, for beam search).
 
         Bad input raises InputError here, at the call, not at the first ``next()``."""
+        return self.open_stream(conv, message, settings)[1]
+
+    def open_stream(
+        self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]
+    ) -> tuple[LoadedModel, Iterator[tuple[str, Budget]]]:
+        """``stream``, with the model that answers: the conversation's (``conv.model``), or for a
+        new conversation the one serving when the call is made (name it in the next turn's
+        ``Conversation.model`` to keep the conversation on it)."""
         prepared = self._prepare(conv, message, settings)
-        return self._stream(settings, *prepared)
+        return prepared[0], self._stream(settings, *prepared)
 
     def _stream(self, settings, loaded, encoded, budget, kwargs) -> Iterator[tuple[str, Budget]]:
         if not settings.streams:

@@ -22,7 +22,16 @@ from transformers import AutoConfig, GenerationConfig
 
 from chat.adapters import model_fingerprint
 from chat.layout import DEMO_DIR, FINAL, TRAINING_ARGS_FILE, is_hub_id, list_finals
-from chat.model import ModelLoadError, hub_options, load_error, load_model, load_tokenizer, resolve
+from chat.model import (
+    MODEL_PRESETS,
+    ModelLoadError,
+    hub_options,
+    load_error,
+    load_model,
+    load_tokenizer,
+    preset_dir,
+    resolve,
+)
 from chat.optimize import CPU_DEFAULT, OPTIMIZE_MODES, optimize_for_cpu
 
 T = TypeVar("T")
@@ -68,14 +77,18 @@ class LoadedModel:
 
 def model_id(spec: str) -> str:
     """A model's public id, never a server path: a Hub id or preset as given; a local folder by
-    name: "demo-model" for the bundled one, ``RUN`` for a run's folder or its ``RUN/final/``, else
-    the folder's own name. (The engine makes ids unique among the models it served.)"""
+    name: "demo-model" for the bundled one, a preset's name for its folder, ``RUN`` for a run's
+    folder or its ``RUN/final/``, else the folder's own name. (The engine makes ids unique among
+    the models it served.)"""
     path = Path(spec).expanduser()
     if not path.is_dir():
         return spec
     path = path.resolve()
     if path == DEMO_DIR:
         return "demo-model"
+    presets = [name for name in MODEL_PRESETS if preset_dir(name).resolve() == path]
+    if presets:
+        return presets[0]
     if (path / FINAL).is_dir():
         path = path / FINAL
     return path.parent.name if path.name == FINAL else path.name

@@ -34,7 +34,7 @@ from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from chat.adapters import ADAPTER_WEIGHTS, is_adapter_dir
+from chat.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
 from chat.layout import FINAL
 from chat.loading import CheckpointError, LoadedModel, input_format, model_id, training_args
 from chat.lora import ServedLoraLinear
@@ -60,6 +60,12 @@ def adapter_dir(spec: str) -> Path | None:
         if is_adapter_dir(folder):
             return folder.resolve()
     return None
+
+
+def list_adapter_finals(root: str | Path) -> list[Path]:
+    """``RUN/final/`` folders under ``root`` that hold a LoRA adapter, newest first."""
+    found = [p.parent for p in Path(root).glob(f"*/{FINAL}/{ADAPTER_CONFIG}") if is_adapter_dir(p.parent)]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def canonical(spec: str) -> str:
