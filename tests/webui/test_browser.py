@@ -139,6 +139,12 @@ def test_chat_train_and_serve_the_new_model(served, page):
     page.locator("#model-load").click()
     expect(page.locator("#serving-status")).to_contain_text(f"Serving {run_id}/final")  # the short label
     assert served.engine.current.name == final
+    # The chat so far stays with the model it started with, which left with the swap: it says so.
+    box = page.locator("#chat-input textarea")
+    box.fill("still the demo model?")
+    box.press("Enter")
+    expect(page.locator("#chat-log")).to_contain_text("no longer loaded")
+    page.get_by_role("button", name="New chat").click()  # a new chat talks to the new model
     send(page, "hello again! how are you?")
 
     # ---- logging out locks the Train tab again
