@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = args.model
     try:
         load_apart(spec, optimize="none")  # (no torch work in this long-lived thread: see load_apart)
-        weights = "real weights"
+        weights = "random-init weights" if spec == "random-400M" else "real weights"
     except ModelLoadError:
         spec, weights = "random-400M", "random-init weights (Hub unreachable)"
     prompts = prompt_set(args.prompts)

@@ -47,6 +47,7 @@ SLOW_MODULES = {
     "test_browser_loop.py",  # issue 13's loop: chat, correct, accept, retrain, compare, vote
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
     "test_browser_chat_state.py",  # saved chats' settings, the banner across two pages
+    "test_browser_adapters.py",  # two LoRA adapters on one base: picker, chat, Compare
     "test_attacks.py",
     "test_cpu_variants.py",
     "test_upload_limits.py",
