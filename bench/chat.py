@@ -265,12 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's, one per core)")
     parser.add_argument("--adapter", action="store_true", help="time base against base + a LoRA adapter instead")
     parser.add_argument("--adapter_r", type=int, default=8, help="rank of the adapter made for --adapter")
     parser.add_argument("--adapter_path", help="a LoRA adapter of --model to time instead of a made one")
     args = parser.parse_args(argv)
     if args.adapter_r < 1:
         parser.error("--adapter_r must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
     quiet_transformers()
 
     spec = args.model

@@ -53,18 +53,21 @@ def make_adapter(spec: str, r: int, root: Path) -> Path:
     return final
 
 
-def _timed(engine: ChatEngine, conv: Conversation, message: str, settings) -> tuple[float, float | None]:
-    """Seconds to the whole reply and (streaming presets) to its first text."""
-    t0 = time.perf_counter()
+def _timed(engine: ChatEngine, conv: Conversation, message: str, settings) -> tuple[float, float | None, float]:
+    """Seconds to the whole reply, to its first text (streaming presets), and the process's CPU
+    seconds meanwhile (on a machine others share, CPU time moves less than wall time: with one
+    thread, it is the reply's own work)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    first = None
     if not settings.streams:
         engine.reply(conv, message, settings)
-        return time.perf_counter() - t0, None
-    stream = engine.stream(conv, message, settings)
-    next(stream)
-    first = time.perf_counter() - t0
-    for _ in stream:
-        pass
-    return time.perf_counter() - t0, first
+    else:
+        stream = engine.stream(conv, message, settings)
+        next(stream)
+        first = time.perf_counter() - t0
+        for _ in stream:
+            pass
+    return time.perf_counter() - t0, first, time.process_time() - c0
 
 
 def bench_adapter(spec: str, variant: str, folder: Path, prompts, reply_tokens: int, repeats: int) -> dict:
@@ -92,7 +95,7 @@ def bench_adapter(spec: str, variant: str, folder: Path, prompts, reply_tokens: 
     }
     for name, preset in GENERATION_PRESETS.items():
         settings = replace(preset, min_new_tokens=reply_tokens, max_new_tokens=reply_tokens)
-        times: dict[str, list[tuple[float, float | None]]] = {side: [] for side in sides}
+        times: dict[str, list[tuple[float, float | None, float]]] = {side: [] for side in sides}
         for repeat in range(repeats + 1):  # the first round warms up
             for i, (conv, message) in enumerate(prompts):
                 order = list(sides) if (i + repeat) % 2 == 0 else list(reversed(sides))
@@ -103,15 +106,17 @@ def bench_adapter(spec: str, variant: str, folder: Path, prompts, reply_tokens: 
                         times[side].append(timing)
         figures = {}
         for side, timings in times.items():
-            whole, first = [t for t, _ in timings], [f for _, f in timings if f is not None]
+            whole, first = [t for t, _, _ in timings], [f for _, f, _ in timings if f is not None]
             figures[side] = {
                 "p50": percentile(whole, 50),
                 "p95": percentile(whole, 95),
                 "first_text_p50": percentile(first, 50) if first else None,
+                "cpu_p50": percentile([c for _, _, c in timings], 50),
             }
-        pairs = [a / b for (a, _), (b, _) in zip(times["adapter"], times["base"])]
+        pairs = [a[0] / b[0] for a, b in zip(times["adapter"], times["base"])]
         figures["adapter_overhead_p50"] = figures["adapter"]["p50"] / figures["base"]["p50"] - 1
         figures["adapter_overhead_paired_median"] = statistics.median(pairs) - 1
+        figures["adapter_overhead_cpu_p50"] = figures["adapter"]["cpu_p50"] / figures["base"]["cpu_p50"] - 1
         result[name] = figures
     return result
 
@@ -128,11 +133,11 @@ def table(results: list[dict]) -> str:
         "attach",
         "adapter MB",
         "fast p50: base → adapter",
-        "fast overhead (p50 / paired median)",
+        "fast overhead (p50 / paired median / CPU time)",
         "fast: base beside adapters",
         "first text p50: base → adapter",
         "faithful p50: base → adapter",
-        "faithful overhead (p50 / paired median)",
+        "faithful overhead (p50 / paired median / CPU time)",
     ]
     rows = []
     for r in results:
@@ -143,11 +148,13 @@ def table(results: list[dict]) -> str:
                 f"{r['attach_seconds']:.2f} s",
                 f"{r['adapter_mb']:.1f}",
                 f"{f['base']['p50']:.3f} → {f['adapter']['p50']:.3f} s",
-                f"{100 * f['adapter_overhead_p50']:+.1f}% / {100 * f['adapter_overhead_paired_median']:+.1f}%",
+                f"{100 * f['adapter_overhead_p50']:+.1f}% / {100 * f['adapter_overhead_paired_median']:+.1f}%"
+                f" / {100 * f['adapter_overhead_cpu_p50']:+.1f}%",
                 f"{f['base_beside_adapters']['p50']:.3f} s",
                 f"{f['base']['first_text_p50']:.3f} → {f['adapter']['first_text_p50']:.3f} s",
                 f"{b['base']['p50']:.3f} → {b['adapter']['p50']:.3f} s",
-                f"{100 * b['adapter_overhead_p50']:+.1f}% / {100 * b['adapter_overhead_paired_median']:+.1f}%",
+                f"{100 * b['adapter_overhead_p50']:+.1f}% / {100 * b['adapter_overhead_paired_median']:+.1f}%"
+                f" / {100 * b['adapter_overhead_cpu_p50']:+.1f}%",
             ]
         )
     return "\n".join(md_table(header, rows))
