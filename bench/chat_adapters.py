@@ -46,7 +46,7 @@ def make_adapter(spec: str, r: int, root: Path) -> Path:
                 param.mul_(0.01)
     peft_model.peft_config["default"].base_model_name_or_path = spec
     final = root / "bench-lora" / FINAL
-    peft_model.save_pretrained(final)
+    peft_model.save_pretrained(final, save_embedding_layers=False)  # (no Hub lookup of the base)
     load_tokenizer(resolve(spec)).save_pretrained(final)
     args = {"adapter": "lora", "lora_r": r, "source_prefix": BASE_PREFIX, "max_source_length": 128}
     (final / TRAINING_ARGS_FILE).write_text(json.dumps({**args, FINGERPRINT_KEY: fingerprint}))

@@ -8,7 +8,6 @@ training_args.json with ``adapter: "lora"``, the input format and the base's fin
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import torch
@@ -49,9 +48,7 @@ def make_adapter(
                 param.mul_(scale)
     peft_model.peft_config["default"].base_model_name_or_path = str(base_name or base)
     final = run_dir / FINAL
-    with warnings.catch_warnings():  # peft looks for a base named "tiny" on the Hub to check its vocabulary
-        warnings.filterwarnings("ignore", message="Could not find a config file")
-        peft_model.save_pretrained(final)
+    peft_model.save_pretrained(final, save_embedding_layers=False)  # (no Hub lookup of the base's vocabulary)
     load_tokenizer(str(base)).save_pretrained(final)
     args = {
         "model_name_or_path": str(base_name or base),

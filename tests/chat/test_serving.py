@@ -187,6 +187,13 @@ def test_an_adapter_of_a_base_not_served_loads_that_base(engine, tiny_path, tmp_
         engine.reply(Conversation(model="nobody"), HELLO)
 
 
+def test_chat_model_may_be_an_adapter_run(adapters, monkeypatch):
+    monkeypatch.setenv("CHAT_MODEL", str(adapters["bob"].parent))
+    engine = ChatEngine.start()
+    assert engine.current.id == "bob" and engine.base.id == "demo-model" and engine.model_ids() == ["demo-model", "bob"]
+    assert engine.current.model is engine.base.model
+
+
 def test_a_retrained_adapter_is_read_again_and_an_unchanged_one_is_not(engine, adapters, tmp_path):
     run = tmp_path / "carl"
     shutil.copytree(adapters["bob"].parent, run)
