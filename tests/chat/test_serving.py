@@ -320,3 +320,12 @@ def test_adapters_on_a_gpu_replay_their_own_cuda_graphs(adapters, monkeypatch):
                 assert engine_reply(engine, conv[model], settings) == expected[model][settings.num_beams], model
     assert graphs.replays > 0 and not any(entry.failed for entry in graphs._entries.values())
     assert {key[-1] for key in graphs._entries} == {engine.model_for(m).adapter for m in ("bob", "ann", "demo-model")}
+
+
+def test_bf16_serves_an_adapter_in_bf16_through_pefts_forward(adapters):
+    engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="bf16"), "bf16")
+    engine.swap(str(adapters["bob"]))
+    layer = engine.base.model.model.decoder.layers[0].fc1
+    assert layer.lora_B[engine.current.adapter].weight.dtype == torch.bfloat16  # peft casts it to the base's dtype
+    replies = {m: engine.reply(Conversation("none", "", model=m), HELLO)[0] for m in ("bob", "demo-model")}
+    assert all(replies.values()) and replies["bob"] != replies["demo-model"]
