@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from chat.adapters import base_of
 from chat.engine import ChatEngine, load_apart
 from chat.loading import model_id
-from chat.serving import adapter_dir, canonical
+from chat.serving import adapter_dir, canonical, named_base
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class CompareError(RuntimeError):
 def base_key(spec: str) -> str:
     """The base ``spec`` serves on, spelled one way: an adapter's base, or the model itself."""
     folder = adapter_dir(spec)
-    return canonical(base_of(folder)[0] if folder is not None else spec)
+    return canonical(named_base(folder)[0] if folder is not None else spec)
 
 
 def short(spec: str) -> str:
@@ -143,7 +142,7 @@ class CompareSlot:
         engine's batcher runs its generate() calls too, so the two share the CPU one call at a
         time instead of fighting over the cores."""
         folder = adapter_dir(spec)
-        base_spec = base_of(folder)[0] if folder is not None else spec
+        base_spec = named_base(folder)[0] if folder is not None else spec
         engine = ChatEngine(self._loader(base_spec, optimize=self.optimize), f"comparing {spec}", self.serving._batcher)
         if folder is not None:
             engine.swap(spec)  # checks the base it names, then attaches

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import TextIteratorStreamer
 
-from chat.adapters import base_of
 from chat.batching import Batcher
 from chat.layout import DEFAULT_MODEL, DEMO_DIR
 from chat.loading import (  # loading lives there; BASE_PREFIX, load_checkpoint, place stay importable from here
@@ -36,7 +35,7 @@ from chat.loading import (  # loading lives there; BASE_PREFIX, load_checkpoint,
 )
 from chat.model import ModelLoadError
 from chat.prompt import CONTROL_RE, KINDS, fit_source, format_context, neutralize
-from chat.serving import AdapterError, Models, adapter_dir, adapter_model, base_matches, canonical, mismatch
+from chat.serving import AdapterError, Models, adapter_dir, adapter_model, base_matches, canonical, mismatch, named_base
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +180,7 @@ class ChatEngine:
         folder = adapter_dir(spec)
         if folder is None:
             return cls(load_apart(spec, optimize), f"serving {spec}", batcher)
-        name, fingerprint = base_of(folder)
+        name, fingerprint = named_base(folder)
         engine = cls(_load_base(folder, name, fingerprint, optimize), f"serving {name}", batcher)
         engine.swap(spec)
         return engine
@@ -217,7 +216,7 @@ class ChatEngine:
         try:
             loaded = self.load(spec)
         except NotOnBase:
-            name, fingerprint = base_of(folder)
+            name, fingerprint = named_base(folder)
             base = _load_base(folder, name, fingerprint, None)
             self.warm_up(base)
             loaded = apart(adapter_model, base, folder, self._models.claim(spec, str(folder)), name)
@@ -235,7 +234,7 @@ class ChatEngine:
         """Is ``spec`` the base served now or an adapter of it (servable without loading a base)?"""
         try:
             self._on_base(spec)
-        except (NotOnBase, ValueError):
+        except (NotOnBase, AdapterError):
             return False
         return True
 
@@ -248,7 +247,7 @@ class ChatEngine:
             if canonical(spec) == canonical(base.name):
                 return None, None
             raise NotOnBase(f"{model_id(spec)} is not {base.id} or an adapter of it")
-        name, fingerprint = base_of(folder)
+        name, fingerprint = named_base(folder)
         if not base_matches(base, name, fingerprint):
             raise NotOnBase(f"{model_id(spec)} is an adapter of {model_id(name)}, not of {base.id}")
         return folder, name

@@ -34,7 +34,7 @@ from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from chat.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
+from chat.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_of, is_adapter_dir
 from chat.layout import FINAL
 from chat.loading import CheckpointError, LoadedModel, input_format, model_id, training_args
 from chat.lora import ServedLoraLinear
@@ -66,6 +66,15 @@ def list_adapter_finals(root: str | Path) -> list[Path]:
     """``RUN/final/`` folders under ``root`` that hold a LoRA adapter, newest first."""
     found = [p.parent for p in Path(root).glob(f"*/{FINAL}/{ADAPTER_CONFIG}") if is_adapter_dir(p.parent)]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def named_base(folder: Path) -> tuple[str, str | None]:
+    """``chat.adapters.base_of``, its errors as AdapterError naming the adapter by id, not path."""
+    try:
+        return base_of(folder)
+    except ValueError as err:
+        why = str(err).removeprefix(f"{folder / ADAPTER_CONFIG}: ")
+        raise AdapterError(f"{model_id(str(folder))}: {ADAPTER_CONFIG}: {why}") from None
 
 
 def canonical(spec: str) -> str:
@@ -127,7 +136,7 @@ class Host:
     names on the model are the host's own (``adapter_1``...): peft names modules by them."""
 
     def __init__(self, base: LoadedModel, budget_bytes: int | None = None):
-        self.model, self.base_fingerprint = base.model, base.fingerprint
+        self.model = base.model
         self.budget_bytes = memory_budget() if budget_bytes is None else budget_bytes
         self.lock = threading.RLock()
         self._attached: OrderedDict[str, _Attached] = OrderedDict()  # least recently used first
@@ -158,7 +167,10 @@ class Host:
         """Put the adapter in ``folder`` on the model as ``name``. ``label`` and ``base_label`` name
         the adapter and the base in errors (public ids, not paths). Raises AdapterError, leaving
         the model as it was, if it does not fit."""
-        config = PeftConfig.from_pretrained(str(folder))
+        try:
+            config = PeftConfig.from_pretrained(str(folder))
+        except (OSError, ValueError, TypeError) as err:  # unreadable JSON, unknown fields or type
+            raise AdapterError(f"{label}: unreadable {ADAPTER_CONFIG} ({_why(err)})") from None
         if config.peft_type != PeftType.LORA:
             raise AdapterError(f"{label} is a {config.peft_type.value} adapter; the chat serves LoRA adapters.")
         if getattr(config, "modules_to_save", None):

@@ -329,3 +329,20 @@ def test_bf16_serves_an_adapter_in_bf16_through_pefts_forward(adapters):
     assert layer.lora_B[engine.current.adapter].weight.dtype == torch.bfloat16  # peft casts it to the base's dtype
     replies = {m: engine.reply(Conversation("none", "", model=m), HELLO)[0] for m in ("bob", "demo-model")}
     assert all(replies.values()) and replies["bob"] != replies["demo-model"]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: (f / "adapter_config.json").write_text("{not json"), "broken: adapter_config.json: unreadable"),
+        (lambda f: (f / "adapter_model.safetensors").write_bytes(b"\0" * 64), "unreadable adapter_model.safetensors"),
+        (lambda f: (f / "training_args.json").write_text("[1]"), "training_args.json is not a JSON object"),
+    ],
+)
+def test_damaged_adapter_files_are_refused_with_the_file_named(engine, adapters, tmp_path, damage, message):
+    run = tmp_path / "broken"
+    shutil.copytree(adapters["bob"].parent, run)
+    damage(run / "final")
+    with pytest.raises(Exception, match=message):
+        engine.swap(str(run))
+    assert engine.current.id == "demo-model" and engine.model_ids() == ["demo-model"]
