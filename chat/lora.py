@@ -7,7 +7,8 @@ module calls (dropout, A, B, the base layer) per projection. With ~100 projectio
 step of the 400M model, that doubled a 0.1 ms int8 projection and made an adapter's reply ~35%
 slower than its base's (docs/chat-benchmarks.md).
 
-``ServedLoraLinear`` takes a straight path for the one case serving needs: one active, plain LoRA
+``ServedLoraLinear`` takes a straight path for the two cases serving needs: no adapter active in the
+layer (the base serving beside its adapters: the base layer alone), and one active, plain LoRA
 adapter in eval mode, fp32 on the CPU. ``result + (x A^T) B^T * scaling`` becomes one ``addmm``
 with ``alpha=scaling`` over peft's own tensors, which gives the same bits as peft's
 ``result + lora_B(lora_A(x)) * scaling`` (the same MKL products; tests/chat/test_serving.py checks
@@ -45,6 +46,12 @@ class ServedLoraLinear(Linear):
         return name
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if (
+            self.lean
+            and not (args or kwargs or self.merged)
+            and not any(a in self.lora_A for a in self.active_adapters)
+        ):
+            return self.base_layer(x)  # no adapter of this layer active (the base serving): peft's result
         name = self._lean_adapter(x, args, kwargs)
         if name is None:
             return super().forward(x, *args, **kwargs)
