@@ -248,29 +248,32 @@ def test_int8_serves_an_adapter_with_fp32_lora_weights(adapters):
 
 
 def test_the_lean_cpu_forward_gives_peft_forwards_numbers(adapters, monkeypatch):
-    """chat.lora.ServedLoraLinear's straight path against peft's own forward, on the int8 base (where
-    peft's PeftModel cannot run): the same logits to the bit, the same replies; and it is the path
-    the replies took."""
+    """chat.lora.ServedLoraLinear's straight paths against peft's own forward, on the int8 base
+    (where peft's PeftModel cannot run): the same logits to the bit, the same replies, for the
+    adapter and for the base beside it; and they are the paths the replies took."""
     engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="int8"), "int8")
     engine.swap(str(adapters["bob"]))
-    loaded = engine.current
-    calls = []
-    real = ServedLoraLinear._lean_adapter
-    monkeypatch.setattr(ServedLoraLinear, "_lean_adapter", lambda *a: calls.append(real(*a)) or calls[-1])
-    encoded, _ = engine.build_input(Conversation("none", "", [HELLO]), loaded)
+    layers = [m for m in engine.base.model.modules() if isinstance(m, ServedLoraLinear)]
+    encoded, _ = engine.build_input(Conversation("none", "", [HELLO]), engine.current)
     decoder = torch.tensor([[1, 5, 17, 42, 99, 7]])
     results = {}
     for lean in (True, False):
         monkeypatch.setattr(ServedLoraLinear, "lean", lean)
-        with torch.inference_mode(), loaded.activated():
-            logits = loaded.model(**encoded, decoder_input_ids=decoder).logits
-        results[lean] = (
-            logits,
-            [engine.reply(Conversation("persona", p), HELLO)[0] for p in ("i love dogs.", "i am a nurse.")],
-        )
-        if lean:
-            assert calls and all(name == loaded.adapter for name in calls)  # the straight path served them
-    assert torch.equal(results[True][0], results[False][0]) and results[True][1] == results[False][1]
+        for layer in layers:
+            layer._invalidate()
+        for loaded in (engine.current, engine.base):
+            with torch.inference_mode(), loaded.activated():
+                logits = loaded.model(**encoded, decoder_input_ids=decoder).logits
+            replies = [
+                engine.reply(Conversation("persona", p, model=loaded.id), HELLO)[0]
+                for p in ("i love dogs.", "i am a nurse.")
+            ]
+            results[lean, loaded.id] = logits, replies
+            kinds = {layer._plan[0] for layer in layers if layer._plan is not None}
+            assert kinds == ({"lora" if loaded.adapter else "base"} if lean else {"peft"}), kinds
+    for model in ("bob", "demo-model"):
+        assert torch.equal(results[True, model][0], results[False, model][0])
+        assert results[True, model][1] == results[False, model][1]
 
 
 def test_each_adapter_gets_cuda_graphs_of_its_own(tiny_path):
