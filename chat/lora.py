@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear
 
+from chat.optimize import Int8Linear
+
 _PEFT = ("peft",)  # this layer's calls go through peft's forward
 
 
@@ -48,6 +50,9 @@ class ServedLoraLinear(Linear):
         if not self.lean or self.merged:
             return _PEFT
         base = self.get_base_layer()
+        # An int8 layer is torch.ao's module in an nn.Linear shell: call the module itself (the
+        # shell's forward does nothing else; one Python call less on ~100 projections a step).
+        base = base.quantized if isinstance(base, Int8Linear) else base
         active = [name for name in self.active_adapters if name in self.lora_A]
         if self.disable_adapters or not active:
             return ("base", base)
@@ -107,4 +112,8 @@ class ServedLoraLinear(Linear):
         _, base, a, b_t, scaling = plan
         result = base(x)
         down = F.linear(x.reshape(-1, x.shape[-1]), a)  # dropout: the identity in eval mode
-        return torch.addmm(result.reshape(-1, result.shape[-1]), down, b_t, alpha=scaling).view(result.shape)
+        if result.requires_grad or not result.is_contiguous():
+            return torch.addmm(result.reshape(-1, result.shape[-1]), down, b_t, alpha=scaling).view(result.shape)
+        flat = result.view(-1, result.shape[-1])
+        flat.addmm_(down, b_t, alpha=scaling)  # in place: the base layer's fresh output, one allocation less
+        return result
