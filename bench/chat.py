@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter", action="store_true", help="time base against base + a LoRA adapter instead")
     parser.add_argument("--adapter_r", type=int, default=8, help="rank of the adapter made for --adapter")
     parser.add_argument("--adapter_path", help="a LoRA adapter of --model to time instead of a made one")
+    parser.add_argument(
+        "--peft_forward", action="store_true", help="with --adapter: LoRA layers through peft's own forward (baseline)"
+    )
     args = parser.parse_args(argv)
     if args.adapter_r < 1:
         parser.error("--adapter_r must be at least 1")
@@ -289,7 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapter:
         what = f"LoRA r{args.adapter_r} on {', '.join(LORA_TARGETS)}" if not args.adapter_path else "LoRA adapter"
         results = chat_adapters.run(
-            spec, variants, prompts, args.reply_tokens, args.repeats, args.adapter_r, args.adapter_path
+            spec,
+            variants,
+            prompts,
+            args.reply_tokens,
+            args.repeats,
+            args.adapter_r,
+            args.adapter_path,
+            args.peft_forward,
         )
     else:
         what = ""

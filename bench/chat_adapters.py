@@ -30,6 +30,7 @@ from chat.adapters import FINGERPRINT_KEY, LORA_TARGETS, model_fingerprint
 from chat.batching import graph_mode
 from chat.engine import BASE_PREFIX, GENERATION_PRESETS, ChatEngine, Conversation, load_apart
 from chat.layout import FINAL, TRAINING_ARGS_FILE
+from chat.lora import ServedLoraLinear
 from chat.model import load_model, load_tokenizer, resolve
 
 
@@ -121,10 +122,28 @@ def bench_adapter(spec: str, variant: str, folder: Path, prompts, reply_tokens: 
     return result
 
 
-def run(spec: str, variants: list[str], prompts, reply_tokens: int, repeats: int, r: int, path: str | None) -> list:
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(path) if path else make_adapter(spec, r, Path(tmp))
-        return [bench_adapter(spec, v, folder, prompts, reply_tokens, repeats) for v in variants]
+def run(
+    spec: str,
+    variants: list[str],
+    prompts,
+    reply_tokens: int,
+    repeats: int,
+    r: int,
+    path: str | None,
+    peft: bool = False,
+) -> list:
+    """``bench_adapter`` for each variant; ``peft``: every LoRA layer through peft's own forward
+    (``chat.lora.ServedLoraLinear.lean`` off), to compare with the straight path."""
+    ServedLoraLinear.lean = not peft
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(path) if path else make_adapter(spec, r, Path(tmp))
+            results = [bench_adapter(spec, v, folder, prompts, reply_tokens, repeats) for v in variants]
+    finally:
+        ServedLoraLinear.lean = True
+    for result in results:
+        result["lora_forward"] = "peft" if peft else "lean"
+    return results
 
 
 def table(results: list[dict]) -> str:
@@ -144,7 +163,7 @@ def table(results: list[dict]) -> str:
         f, b = r["fast"], r["faithful"]
         rows.append(
             [
-                f"{r['optimize']}, graphs {r['graphs']} ({r['device']})",
+                f"{r['optimize']}, graphs {r['graphs']} ({r['device']}), LoRA forward: {r['lora_forward']}",
                 f"{r['attach_seconds']:.2f} s",
                 f"{r['adapter_mb']:.1f}",
                 f"{f['base']['p50']:.3f} → {f['adapter']['p50']:.3f} s",

@@ -97,4 +97,7 @@ def test_adapter_mode_times_base_and_adapter_in_one_run(tmp_path, capsys):
         assert figures["adapter_overhead_p50"] == figures["adapter"]["p50"] / figures["base"]["p50"] - 1
         assert -1 < figures["adapter_overhead_paired_median"] and figures["adapter"]["cpu_p50"] > 0
     assert result["fast"]["adapter"]["first_text_p50"] > 0 and result["faithful"]["adapter"]["first_text_p50"] is None
-    assert "| int8, graphs capture (cpu) |" in capsys.readouterr().out
+    assert (
+        result["lora_forward"] == "lean"
+        and "| int8, graphs capture (cpu), LoRA forward: lean |" in capsys.readouterr().out
+    )
