@@ -186,9 +186,11 @@ class Host:
             state = load_file(str(folder / ADAPTER_WEIGHTS))
         except (OSError, SafetensorError) as err:
             raise AdapterError(f"{label}: unreadable {ADAPTER_WEIGHTS} ({err})") from None
-        bad = sorted(key for key, tensor in state.items() if not torch.isfinite(tensor).all())
-        if bad:
+        everything = torch.cat([t.detach().reshape(-1).float() for t in state.values()]) if state else torch.zeros(0)
+        if not torch.isfinite(everything).all():  # one pass over all of it; the names only when it fails
+            bad = sorted(key for key, tensor in state.items() if not torch.isfinite(tensor).all())
             raise AdapterError(f"{label}: non-finite weights in {', '.join(bad[:3])}")
+        del everything
         with self.lock:
             if name in self._attached:
                 raise ValueError(f"an adapter named {name!r} is attached already")

@@ -13,6 +13,7 @@ import pytest
 import torch
 from adapter_files import make_adapter
 from peft import PeftModel
+from safetensors.torch import load_file, save_file
 from transformers import BlenderbotConfig, BlenderbotForConditionalGeneration, GenerationConfig
 
 import chat.loading
@@ -334,12 +335,20 @@ def test_bf16_serves_an_adapter_in_bf16_through_pefts_forward(adapters):
     assert all(replies.values()) and replies["bob"] != replies["demo-model"]
 
 
+def poison(final) -> None:
+    """One NaN in one of the adapter's matrices."""
+    state = load_file(str(final / ADAPTER_WEIGHTS))
+    state["base_model.model.model.decoder.layers.0.fc1.lora_A.weight"][0, 0] = float("nan")
+    save_file(state, str(final / ADAPTER_WEIGHTS))
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
         (lambda f: (f / "adapter_config.json").write_text("{not json"), "broken: adapter_config.json: unreadable"),
         (lambda f: (f / "adapter_model.safetensors").write_bytes(b"\0" * 64), "unreadable adapter_model.safetensors"),
         (lambda f: (f / "training_args.json").write_text("[1]"), "training_args.json is not a JSON object"),
+        (poison, r"broken \(a LoRA adapter of demo-model\): non-finite weights in base_model.model.model.decoder"),
     ],
 )
 def test_damaged_adapter_files_are_refused_with_the_file_named(engine, adapters, tmp_path, damage, message):
