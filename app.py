@@ -101,7 +101,7 @@ def build_demo(
             with gr.Tab("Train") as train_page:
                 tab = train_tab.build(train, session)
 
-        # Public API: Client(url).predict(message, kind, context, api_name="/chat") -> reply text.
+        # Public API: Client(url).predict(message, kind, context, api_name="/chat") -> (reply, model id).
         gr.api(chat_handlers.api_chat_fn(engine), api_name="chat")
 
         # The Train tab's live view, from the run directory, so every page shows the same run; a

@@ -285,6 +285,7 @@ def parse(body, models: list[str]) -> Completion:
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise bad_request(f"user must be a string of at most {MAX_USER_CHARS} characters.", "user")
+    conversation.model = model  # answered by the model named (an adapter on the shared base, too)
     return Completion(
         model, conversation, message, _settings(body), bool(stream), include_usage, _stops(body.get("stop"))
     )

@@ -1,27 +1,22 @@
-"""Which models the API serves, by public id (``GET /v1/models``, the ``model`` of a request)."""
+"""Which models the API serves, by public id (``GET /v1/models``, the ``model`` of a request).
+
+The ids are the chat's own (``chat.loading.model_id``, never a server path): the base serving now,
+then the LoRA adapters loaded on it (``ChatEngine.model_ids``). A request naming an adapter is
+answered by that adapter on the shared base, as a chat that started with it is.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from chat.layout import DEMO_DIR
+from chat.loading import model_id
 
-from chat.layout import DEMO_DIR, FINAL
+DEMO_ID = model_id(str(DEMO_DIR))  # the bundled tiny demo model (served offline): "demo-model"
 
-DEMO_ID = "persona-chat-demo"  # the bundled tiny demo model (served offline)
-
-
-def model_id(spec: str) -> str:
-    """A model's public id, never a server path: a Hub id or preset as it is, a run's ``RUN/final``
-    folder as ``RUN``, another folder by its name, the bundled demo model as ``DEMO_ID``."""
-    path = Path(spec)
-    if not (path.is_absolute() or path.exists()):
-        return spec
-    path = path.resolve()
-    if path == DEMO_DIR:
-        return DEMO_ID
-    return path.parent.name if path.name == FINAL else path.name
+__all__ = ["DEMO_ID", "model_id", "servable"]
 
 
 def servable(engine) -> list[str]:
-    """The model ids a request may name, first the one serving now (a ``chat.engine.ChatEngine``).
-    Today that is the served model alone; LoRA adapters loaded on it (issue 25) belong here too."""
-    return [model_id(engine.current.name)]
+    """The model ids a request may name (a ``chat.engine.ChatEngine``), first the one serving now."""
+    ids = engine.model_ids()
+    current = engine.current.id
+    return [current, *(i for i in ids if i != current)]

@@ -33,7 +33,7 @@ class Answer:
     def model(self, reply: Reply) -> str:
         """The public id of the model that writes this answer (one model writes a whole reply)."""
         if self._model is None:
-            self._model = model_id(reply.model.name)
+            self._model = reply.model.id or model_id(reply.model.name)
         return self._model
 
     def delta(self, reply: Reply) -> str:

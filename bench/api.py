@@ -76,7 +76,8 @@ def timed(stream, app=None) -> tuple[float, float | None, str, float | None]:
 
 def chat_stream(client, conv, message: str, preset: str, settings: dict):
     job = client.submit(message, conv.kind, conv.context, preset, list(conv.turns), settings, api_name="/chat")
-    yield from job  # the reply so far, as gradio streams it
+    for reply, _ in job:  # the reply so far, as gradio streams it (with the id of the model writing it)
+        yield reply
 
 
 def polled(stream):

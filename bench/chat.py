@@ -8,6 +8,9 @@ replies/s for N concurrent chats against the same chats served one by one. Every
 ``--reply_tokens`` new tokens so latency does not depend on the weights. ``--optimize`` lists
 the variants to compare in one run (the first is the baseline for the speed-up column).
 Results go to stdout as a markdown table and, with ``--out``, to a JSON file.
+
+``--adapter``: instead, what a LoRA adapter costs: base and base + adapter in the same run, their
+replies interleaved (``bench.chat_adapters``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from bench import chat_adapters
 from bench.common import (
     command_line,
     device_name,
@@ -29,6 +33,7 @@ from bench.common import (
     versions,
     write_json,
 )
+from chat.adapters import LORA_TARGETS
 from chat.batching import graph_mode
 from chat.engine import GENERATION_PRESETS, ChatEngine, Conversation, load_apart
 from chat.model import ModelLoadError
@@ -260,30 +265,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's, one per core)")
+    parser.add_argument("--adapter", action="store_true", help="time base against base + a LoRA adapter instead")
+    parser.add_argument("--adapter_r", type=int, default=8, help="rank of the adapter made for --adapter")
+    parser.add_argument("--adapter_path", help="a LoRA adapter of --model to time instead of a made one")
+    parser.add_argument(
+        "--peft_forward", action="store_true", help="with --adapter: LoRA layers through peft's own forward (baseline)"
+    )
     args = parser.parse_args(argv)
+    if args.adapter_r < 1:
+        parser.error("--adapter_r must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
     quiet_transformers()
 
     spec = args.model
     try:
         load_apart(spec, optimize="none")  # (no torch work in this long-lived thread: see load_apart)
-        weights = "real weights"
+        weights = "random-init weights" if spec == "random-400M" else "real weights"
     except ModelLoadError:
         spec, weights = "random-400M", "random-init weights (Hub unreachable)"
     prompts = prompt_set(args.prompts)
-    results = [
-        bench_variant(
-            spec, v, prompts, args.reply_tokens, args.repeats, args.concurrency, args.plain and i == 0, args.window_ms
+    variants = args.optimize.split(",")
+    if args.adapter:
+        what = f"LoRA r{args.adapter_r} on {', '.join(LORA_TARGETS)}" if not args.adapter_path else "LoRA adapter"
+        results = chat_adapters.run(
+            spec,
+            variants,
+            prompts,
+            args.reply_tokens,
+            args.repeats,
+            args.adapter_r,
+            args.adapter_path,
+            args.peft_forward,
         )
-        for i, v in enumerate(args.optimize.split(","))
-    ]
+    else:
+        what = ""
+        results = [
+            bench_variant(
+                spec,
+                v,
+                prompts,
+                args.reply_tokens,
+                args.repeats,
+                args.concurrency,
+                args.plain and i == 0,
+                args.window_ms,
+            )
+            for i, v in enumerate(variants)
+        ]
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()
     header = (
-        f"{spec} ({weights}), {args.reply_tokens}-token replies, {len(prompts)} prompts x {args.repeats}, "
-        f"{hardware}, torch {env['torch']}, {env['date']}"
+        f"{spec} ({weights}){f', {what}' if what else ''}, {args.reply_tokens}-token replies, "
+        f"{len(prompts)} prompts x {args.repeats}, {hardware}, torch {env['torch']}, {env['date']}"
     )
     print(header)
-    print(table(results))
+    print(chat_adapters.table(results) if args.adapter else table(results))
     if args.out:
         write_json(
             args.out,

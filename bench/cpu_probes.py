@@ -19,7 +19,7 @@ from bench.common import quiet_transformers, sample_rows
 from chat.engine import BASE_PREFIX, GENERATION_PRESETS, GenerationSettings, load_checkpoint
 from chat.layout import ROOT
 from chat.model import load_model, load_tokenizer
-from chat.optimize import memory_mib, optimize_for_cpu
+from chat.optimize import Int8Linear, memory_mib, optimize_for_cpu
 
 # The study compares the model's modes, not the engine's extras: greedy is the ``fast`` preset's
 # decoding without its n-gram blocking and repetition penalty (the engine's own cost, timed with
@@ -223,11 +223,9 @@ def _stored_bytes(module) -> int:
     int8 weight packed, outside ``parameters()``)."""
     total = 0
     for sub in module.modules():
-        packed = getattr(sub, "_packed_params", None)
-        if packed is not None and hasattr(sub, "weight") and callable(sub.weight):
-            total += sub.weight().numel()  # int8: one byte each (biases and scales are small)
-        else:
-            total += sum(p.numel() * p.element_size() for p in sub.parameters(recurse=False))
+        if isinstance(sub, Int8Linear):
+            total += sub.int8_bytes()  # int8: one byte each (biases and scales are small)
+        total += sum(p.numel() * p.element_size() for p in sub.parameters(recurse=False))
     return total
 
 

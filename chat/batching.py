@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Request:
-    loaded: object  # chat.engine.LoadedModel
+    loaded: object  # chat.loading.LoadedModel
     encoded: dict
     kwargs: dict
     streamer: BaseStreamer | None = None
@@ -39,8 +39,8 @@ class Request:
 
     @property
     def key(self):
-        # Only identical settings on the same model object can share a generate() call; a seeded
-        # request runs alone so its sampling stays reproducible.
+        # Only identical settings on the same model (a base, or one adapter on it) can share a
+        # generate() call; a seeded request runs alone so its sampling stays reproducible.
         # Dynamic int8 quantization scales activations over the whole batch, so a row's reply
         # would depend on its neighbours: such models serve one request at a time.
         if self.kwargs.get("generator_seed") is not None or optimization_of(self.loaded.model) == "int8":
@@ -194,8 +194,11 @@ class Batcher:
             )
             inputs = {k: v.to(model.device) for k, v in padded.items()}
             ids = inputs["input_ids"]
-            step_graphs = graphs.for_model(model).decoding(model, ids, kwargs) if capture else nullcontext({})
-            with torch.inference_mode(), step_graphs as cache:
+            # A graph replays the weights it recorded: each adapter on a shared base gets its own.
+            variant = first.loaded.adapter
+            step_graphs = graphs.for_model(model).decoding(model, ids, kwargs, variant) if capture else nullcontext({})
+            # The model answers as this batch's model: its adapter active (or none), under the host's lock.
+            with first.loaded.activated(), torch.inference_mode(), step_graphs as cache:
                 compiled = self.cuda_graphs == "compile"
                 out = model.generate(**inputs, streamer=fan, **fast_kwargs({**kwargs, **cache}, ids, compiled))
         except BaseException as err:  # every waiting request learns about it

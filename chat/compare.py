@@ -1,11 +1,14 @@
-"""The second model of the Compare view: at most one extra model next to the serving one.
+"""The models of the Compare view: at most one extra base model next to the serving one.
 
-Comparing two models side by side needs both in memory. ``CompareSlot`` holds the pair of
-models a trainer chose and, of those, the one that is not the serving model (a ``ChatEngine``
-of its own). So the process holds two models at most: the serving one and this one. Loading
-another extra model frees the old one first (a reply still being written on it keeps its own
-reference and finishes), and an extra model nobody used for ``IDLE_SECONDS`` is freed by a
-background thread; the next reply that needs it loads it again.
+Comparing two models side by side needs both in memory. ``CompareSlot`` holds the pair of models
+a trainer chose. A model of the pair that serves on the serving engine's base (that base itself,
+or a LoRA adapter of it: ``ChatEngine.load`` attaches it) costs no other model: two adapters of
+one base, or an adapter and its base, are compared with one base in memory. The rest of the pair
+(a full model, or adapters of another base) goes to one extra engine, on one extra base. So the
+process holds two base models at most. Loading another extra base frees the old one first (a
+reply still being written on it keeps its own reference and finishes), and an extra engine nobody
+used for ``IDLE_SECONDS`` is freed by a background thread; the next reply that needs it loads it
+again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 import torch
 
 from chat.engine import ChatEngine, load_apart
+from chat.loading import model_id
+from chat.serving import adapter_dir, canonical, named_base
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,17 @@ REAP_INTERVAL_S = 60.0
 
 class CompareError(RuntimeError):
     """The comparison cannot run as asked; the message is meant for the user."""
+
+
+def base_key(spec: str) -> str:
+    """The base ``spec`` serves on, spelled one way: an adapter's base, or the model itself."""
+    folder = adapter_dir(spec)
+    return canonical(named_base(folder)[0] if folder is not None else spec)
+
+
+def short(spec: str) -> str:
+    """A spec as a public id (no server path), for messages."""
+    return model_id(spec)
 
 
 def same_model(a: str | None, b: str | None) -> bool:
@@ -44,10 +60,11 @@ def same_model(a: str | None, b: str | None) -> bool:
 
 
 class CompareSlot:
-    """The chosen pair (A, B) and the one extra model it needs; thread-safe.
+    """The chosen pair (A, B) and the one extra engine it may need; thread-safe.
 
-    ``serving`` is the app's serving engine: a model of the pair that it serves is never loaded
-    a second time. ``loader`` and ``clock`` are for tests."""
+    ``serving`` is the app's serving engine: a model of the pair that serves on its base is never
+    loaded a second time. ``loader`` (``load_apart``'s signature, for a base) and ``clock`` are
+    for tests."""
 
     def __init__(
         self,
@@ -76,7 +93,7 @@ class CompareSlot:
 
     @property
     def loaded_spec(self) -> str | None:
-        """The extra model in memory now (None: only the serving model is loaded)."""
+        """The model the extra engine was loaded for (None: only the serving base is loaded)."""
         with self._lock:
             return self._spec
 
@@ -86,7 +103,8 @@ class CompareSlot:
             return self._engine
 
     def is_serving(self, spec: str) -> bool:
-        return same_model(spec, self.serving.current.name)
+        """Does ``spec`` serve on the serving base (itself, or an adapter of it)?"""
+        return self.serving.serves_on_base(spec)
 
     def touch(self) -> None:
         with self._lock:
@@ -94,62 +112,83 @@ class CompareSlot:
 
     # --- loading
     def load(self, spec: str) -> ChatEngine:
-        """The engine for ``spec``: the serving engine if it serves ``spec``, else the extra
-        model, loaded now if it is another one (the previous extra model is freed first)."""
+        """The engine for ``spec``: the serving engine if it serves on its base (an adapter is
+        attached), else the extra engine, loaded now if it is on another base (the previous extra
+        engine is freed first)."""
         with self._loading:
-            return self._engine_for(spec)
+            return self._engine_for(spec)[0]
 
-    def _engine_for(self, spec: str) -> ChatEngine:  # with self._loading held
+    def _engine_for(self, spec: str) -> tuple[ChatEngine, str]:  # with self._loading held
+        """(the engine serving ``spec``, its model id there)."""
         if self.is_serving(spec):
             self.touch()
-            return self.serving
+            return self.serving, self.serving.load(spec).id
         with self._lock:
-            if self._engine is not None and same_model(spec, self._spec):
-                self.last_used = self._clock()
-                return self._engine
-        self._free()  # before loading: never three models in memory
-        loaded = self._loader(spec, optimize=self.optimize)
-        # The serving engine's batcher runs both models' generate() calls, so the two share the
-        # CPU one call at a time instead of fighting over the cores.
-        engine = ChatEngine(loaded, f"comparing {spec}", batcher=self.serving._batcher)
+            engine = self._engine
+        if engine is not None and engine.serves_on_base(spec):
+            loaded = engine.load(spec)
+            self.touch()
+            return engine, loaded.id
+        self._free()  # before loading: never three base models in memory
+        engine = self._extra_engine(spec)
         engine.warm_up()  # on a GPU: compile its decoding now, not in a visitor's first reply
         with self._lock:
             self._engine, self._spec, self.last_used = engine, spec, self._clock()
         log.info("compare: loaded %s", spec)
+        return engine, engine.current.id
+
+    def _extra_engine(self, spec: str) -> ChatEngine:
+        """An engine of its own for ``spec`` (a model, or an adapter on its base). The serving
+        engine's batcher runs its generate() calls too, so the two share the CPU one call at a
+        time instead of fighting over the cores."""
+        folder = adapter_dir(spec)
+        base_spec = named_base(folder)[0] if folder is not None else spec
+        engine = ChatEngine(self._loader(base_spec, optimize=self.optimize), f"comparing {spec}", self.serving._batcher)
+        if folder is not None:
+            engine.swap(spec)  # checks the base it names, then attaches
         return engine
 
     def choose(self, a: str, b: str) -> tuple[str, str]:
-        """Compare ``a`` with ``b`` from now on, loading the one the app does not serve.
+        """Compare ``a`` with ``b`` from now on, loading what the serving base cannot serve.
 
-        One of the two must be the serving model: the process holds two models at most. On a
-        failed load the previous pair stays chosen (its extra model is loaded again when needed)."""
+        What the serving base does not serve must fit on one other base (a model and its adapters,
+        or adapters of one base): the process holds two base models at most. On a failed load the
+        previous pair stays chosen (its extra engine is loaded again when needed)."""
         if same_model(a, b):
             raise CompareError("Pick two different models to compare.")
         extras = [spec for spec in (a, b) if not self.is_serving(spec)]
-        if len(extras) > 1:
+        if len({base_key(spec) for spec in extras}) > 1:
             raise CompareError(
-                "One of the two models must be the one being served: the app holds two models at most "
-                "(the serving one and one more). To compare two others, serve one of them first (Chat tab, Model)."
+                "One of the two models must be the one being served, an adapter of it, or share a base with "
+                "the other: the app holds two base models at most (the serving one and one more). To compare "
+                "two others, serve one of them first (Chat tab, Model)."
             )
         with self._loading:  # a reply starting meanwhile sees the old pair or the new one, whole
-            self._engine_for(extras[0])
+            if not extras:
+                self._free()  # both on the serving base: one base in memory
+            for spec in (a, b):
+                if spec in extras[1:] and not self._engine.serves_on_base(spec):
+                    raise CompareError(f"{short(a)} and {short(b)} are not on one base: compare models that share one.")
+                self._engine_for(spec)
             with self._lock:
                 self._pair = (a, b)
         return a, b
 
-    def engines(self) -> tuple[tuple[str, ChatEngine], tuple[str, ChatEngine]]:
-        """((spec A, engine A), (spec B, engine B)) for a reply; the extra model is loaded again
-        if it was freed while idle. Waits while a load is under way."""
+    def engines(self) -> tuple[tuple[str, ChatEngine, str], tuple[str, ChatEngine, str]]:
+        """((spec A, engine A, model id A), (spec B, ...)) for a reply: a conversation on engine A
+        names model id A. The extra engine is loaded again if it was freed while idle. Waits while
+        a load is under way."""
         with self._loading:
             pair = self.pair
             if pair is None:
                 raise CompareError("No models to compare yet: a trainer chooses them below (Models, Load).")
-            if all(not self.is_serving(spec) for spec in pair):
+            extras = [spec for spec in pair if not self.is_serving(spec)]
+            if len({base_key(spec) for spec in extras}) > 1:
                 raise CompareError(
                     "The served model changed since the models to compare were chosen; "
                     "a trainer needs to choose them again (Models, Load)."
                 )
-            return (pair[0], self._engine_for(pair[0])), (pair[1], self._engine_for(pair[1]))
+            return tuple((spec, *self._engine_for(spec)) for spec in pair)
 
     # --- freeing
     def _free(self) -> bool:

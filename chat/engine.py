@@ -1,47 +1,49 @@
 """The chat engine: load a checkpoint, build input in its training format, generate replies.
 
-One ``ChatEngine`` serves every session. It holds the current ``LoadedModel``; each request
-takes a reference to it when it starts, so swapping in a new checkpoint never disturbs a reply
-in flight. Conversations are plain values passed in by the caller (the UI keeps one per browser
+One ``ChatEngine`` serves every session. It serves one base model and the LoRA adapters loaded on
+it (``chat.serving``), each a model with a public id; ``current`` is the one new conversations
+start with (what a trainer loaded last). A conversation carries the id of the model it started
+with (``Conversation.model``), so loading another adapter does not change old conversations, and
+each request takes a reference to its model when it starts, so a swap never disturbs a reply in
+flight. Conversations are plain values passed in by the caller (the UI keeps one per browser
 session), so sessions cannot see each other's history.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig, GenerationConfig, TextIteratorStreamer
+from transformers import TextIteratorStreamer
 
 from chat.batching import Batcher
-from chat.layout import DEFAULT_MODEL, DEMO_DIR, FINAL, TRAINING_ARGS_FILE, is_hub_id, list_finals
-from chat.model import ModelLoadError, hub_options, load_error, load_model, load_tokenizer, resolve
-from chat.optimize import CPU_DEFAULT, OPTIMIZE_MODES, optimize_for_cpu
+from chat.layout import DEFAULT_MODEL, DEMO_DIR
+from chat.loading import (  # loading lives there; BASE_PREFIX, load_checkpoint, place stay importable from here
+    BASE_PREFIX,  # noqa: F401
+    CheckpointError,
+    LoadedModel,
+    apart,
+    load_apart,
+    load_checkpoint,  # noqa: F401
+    model_id,
+    place,  # noqa: F401
+)
+from chat.model import ModelLoadError
 from chat.prompt import CONTROL_RE, KINDS, fit_source, format_context, neutralize
+from chat.serving import AdapterError, Models, adapter_dir, adapter_model, base_matches, canonical, mismatch, named_base
 
 log = logging.getLogger(__name__)
 
-# The seed fine-tuned with the prefix "chatbot: " and Chat-E spoke to its model with it. A
-# checkpoint without training_args.json (the base model) gets this one; set CHAT_SOURCE_PREFIX
-# to change it (e.g. to "" for the untouched base model).
-BASE_PREFIX = "chatbot: "
 MAX_MESSAGE_CHARS = 1000  # server-side limits on user text
 MAX_CONTEXT_CHARS = 600
 # A conversation longer than this is refused: the model sees only its newest turns (128 tokens),
 # and the cap bounds the work one request can cause, whatever a client sends.
 MAX_HISTORY_TURNS = 1000
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot serve (missing files, non-finite weights, wrong architecture)."""
 
 
 class InputError(ValueError):
@@ -121,6 +123,7 @@ class Conversation:
     kind: str = "none"
     context: str = ""
     turns: list[str] = field(default_factory=list)
+    model: str | None = None  # the id of the model it started with (None: the one serving now)
 
 
 @dataclass(frozen=True)
@@ -132,19 +135,6 @@ class Budget:
     total_tokens: int
     max_tokens: int
     dropped_turns: int
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    model: torch.nn.Module
-    tokenizer: object
-    prefix: str
-    max_source_length: int
-    trained_args: dict | None
-
-    def count(self, text: str) -> int:
-        return len(self.tokenizer(text).input_ids)
 
 
 @dataclass(frozen=True)
@@ -164,108 +154,6 @@ class Reply:
         return ChatEngine._clean_reply(decoded)
 
 
-def _resolve_dir(spec: str) -> Path | None:
-    """A local model directory for ``spec``: itself, its final/, or the newest RUN/final/."""
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        if path.exists() or not is_hub_id(spec) or spec.startswith((".", "~")):
-            # "./runs/x", "/abs/path", "runs/a/final": a path that is not there, not a Hub id
-            raise CheckpointError(f"{spec}: no such model folder")
-        return None
-    if (path / "config.json").is_file():
-        return path
-    if (path / FINAL / "config.json").is_file():
-        return path / FINAL
-    finals = list_finals(path)
-    if finals:
-        return finals[0]
-    raise CheckpointError(f"{spec}: no model here (expected config.json, {FINAL}/, or RUN/{FINAL}/)")
-
-
-def place(model: torch.nn.Module, optimize: str | None) -> torch.nn.Module:
-    """Put a loaded model where and how it serves fastest (see docs/chat-benchmarks.md).
-
-    ``optimize``: "none" (fp32 as trained), "bf16", "int8" (CPU: dynamic int8 linear layers),
-    or "auto"/None: CHAT_OPTIMIZE if set, else fp32 on a GPU and the CPU default below. (One
-    reply on a GPU is bound by per-token overhead, not arithmetic: on an H200 fp32 answered in
-    0.18 s where bf16 took 0.27 s, and served 8 concurrent chats 1.9x faster.)
-    """
-    mode = optimize or "auto"
-    if mode == "auto":
-        mode = os.environ.get("CHAT_OPTIMIZE", "none" if torch.cuda.is_available() else CPU_DEFAULT)
-    if mode not in OPTIMIZE_MODES:
-        raise ValueError(f"optimize must be one of {', '.join(OPTIMIZE_MODES)}, got {mode!r}")
-    if torch.cuda.is_available():
-        return model.to("cuda", dtype=torch.bfloat16 if mode in ("bf16", "int8") else torch.float32)
-    return optimize_for_cpu(model, mode)
-
-
-def load_checkpoint(spec: str, optimize: str | None = None) -> LoadedModel:
-    """Load and check a model from a Hub id, a checkpoint folder, or a training output folder."""
-    local = _resolve_dir(resolve(spec))  # presets ("tiny", "random-400M") become directories
-    source = str(local) if local else spec
-    if local:
-        missing = [f for f in ("config.json", "model.safetensors") if not (local / f).is_file()]
-        if not (local / "tokenizer.json").is_file() and not (local / "vocab.json").is_file():
-            missing.append("tokenizer.json")
-        if missing and not (local / "model.safetensors.index.json").is_file():
-            raise CheckpointError(f"{local}: missing {', '.join(missing)}")
-    try:
-        config = AutoConfig.from_pretrained(source, **hub_options(source))
-    except (OSError, ValueError) as err:
-        if local:
-            raise CheckpointError(
-                f"{spec}: unreadable config.json ({str(err).splitlines()[0] if str(err) else err})"
-            ) from None
-        raise load_error(spec, err) from None
-    if config.model_type != "blenderbot" or not config.is_encoder_decoder:
-        raise CheckpointError(f"{spec}: a {config.model_type!r} model, not a seq2seq BlenderBot")
-    try:
-        model, info = load_model(source, output_loading_info=True)
-    except ModelLoadError:
-        if local:
-            raise CheckpointError(f"{spec}: the weights do not load") from None
-        raise
-    except Exception as err:  # truncated file, shapes that don't match the config, ...
-        raise CheckpointError(f"{spec}: the weights do not load ({type(err).__name__}: {str(err)[:200]})") from None
-    broken = sorted(map(str, [*info["missing_keys"], *info["mismatched_keys"]]))
-    if broken:  # transformers would initialise these at random: a broken model serving noise
-        raise CheckpointError(f"{spec}: weights missing or mismatched: {', '.join(broken[:3])}")
-    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
-    if bad:
-        raise CheckpointError(f"{spec}: non-finite weights in {', '.join(bad[:3])}")
-    model.eval()
-    # Keep only the token ids of the saved generation config: a training run saves its evaluation
-    # lengths there, which would clash with the chat's own settings (GenerationSettings).
-    saved = model.generation_config
-    model.generation_config = GenerationConfig(
-        decoder_start_token_id=saved.decoder_start_token_id,
-        bos_token_id=saved.bos_token_id,
-        eos_token_id=saved.eos_token_id,
-        pad_token_id=saved.pad_token_id,
-        forced_eos_token_id=saved.forced_eos_token_id,
-    )
-    model = place(model, optimize)
-    tokenizer = load_tokenizer(source)
-    args_file = local / TRAINING_ARGS_FILE if local else None
-    trained = json.loads(args_file.read_text()) if args_file and args_file.is_file() else None
-    prefix = trained["source_prefix"] if trained else os.environ.get("CHAT_SOURCE_PREFIX", BASE_PREFIX)
-    max_len = min(trained["max_source_length"] if trained else 128, config.max_position_embeddings)
-    return LoadedModel(spec, model, tokenizer, prefix, max_len, trained)
-
-
-def load_apart(spec: str, optimize: str | None = None) -> LoadedModel:
-    """``load_checkpoint`` in a thread of its own that ends with the load.
-
-    On a CPU, each thread that runs torch operators gets its own OpenMP team, alive as long as the
-    thread. A second team on the cores (the loader's next to the batcher's) makes GNU OpenMP stop
-    spin-waiting, so every operator of every decoding step then waits for its threads to wake: on 2
-    cores a 24-token int8 reply went from 0.67 to 0.97 s after a load in a thread that lives on (the
-    main thread at start, a Gradio worker on a swap). A loader thread that exits takes its team along."""
-    with ThreadPoolExecutor(1, thread_name_prefix="chat-load") as pool:
-        return pool.submit(load_checkpoint, spec, optimize).result()
-
-
 def clean_text(text: str | None, limit: int, what: str) -> str:
     """Strip control characters and outer space; refuse over-long text with a clear message."""
     text = CONTROL_RE.sub(" ", text or "").strip()
@@ -274,12 +162,17 @@ def clean_text(text: str | None, limit: int, what: str) -> str:
     return text
 
 
+class NotOnBase(CheckpointError):
+    """A model that would need another base model than the one the engine serves."""
+
+
 class ChatEngine:
     def __init__(self, loaded: LoadedModel, status: str, batcher: Batcher | None = None):
+        self._models = Models(loaded)  # the base and its adapters, by public id
         self._current = loaded
         self.status = status
         self.fallback: str | None = None  # why start() serves the demo model instead (one line), if it does
-        self._swap = threading.Lock()
+        self._swap = threading.Lock()  # current, status and the base change together
         # Every generate() goes through the batcher's worker thread, which also serialises
         # CPU work so concurrent sessions don't fight over the cores.
         self._batcher = batcher or Batcher()
@@ -290,7 +183,7 @@ class ChatEngine:
         ``fallback`` then says why, in one line for the server's log (the app logs it)."""
         spec = spec or os.environ.get("CHAT_MODEL", DEFAULT_MODEL)
         try:
-            engine = cls(load_apart(spec), f"serving {spec}")
+            engine = cls.serving(spec)
         except ModelLoadError as err:
             engine = cls(
                 load_apart(str(DEMO_DIR)),
@@ -304,18 +197,121 @@ class ChatEngine:
         engine.warm_up()
         return engine
 
+    @classmethod
+    def serving(cls, spec: str, optimize: str | None = None, batcher: Batcher | None = None) -> ChatEngine:
+        """An engine serving ``spec``: a model, or an adapter on its base (both loaded)."""
+        folder = adapter_dir(spec)
+        if folder is None:
+            return cls(load_apart(spec, optimize), f"serving {spec}", batcher)
+        name, fingerprint = named_base(folder)
+        engine = cls(_load_base(folder, name, fingerprint, optimize), f"serving {name}", batcher)
+        engine.swap(spec)
+        return engine
+
     @property
     def current(self) -> LoadedModel:
+        """The model new conversations start with."""
         return self._current
 
+    @property
+    def base(self) -> LoadedModel:
+        """The base model served now (the adapters' host)."""
+        return self._models.base
+
+    def model_ids(self) -> list[str]:
+        """The ids of the models this engine can serve now: the base, then the adapters on it
+        (an adapter unloaded to save memory is attached again when a conversation asks for it)."""
+        return self._models.ids()
+
     def swap(self, spec: str) -> str:
-        """Load ``spec`` and serve it from now on; on any failure the current model keeps serving."""
-        loaded = load_apart(spec)  # raises before anything changes
-        self.warm_up(loaded)  # on a GPU, while the current model keeps serving
+        """Serve ``spec`` to new conversations from now on; older ones keep their model. An adapter
+        whose base serves is attached to it (the base is not loaded again); any other model, or an
+        adapter of another base, replaces the base. On any failure the current model keeps serving."""
+        folder = adapter_dir(spec)
+        if folder is None:
+            loaded = load_apart(spec)  # raises before anything changes
+            self.warm_up(loaded)  # on a GPU, while the current model keeps serving
+            with self._swap:
+                self._models.set_base(loaded)
+                self._current = loaded
+                self.status = f"serving {spec}"
+            return self.status
+        try:
+            loaded = self.load(spec)
+        except NotOnBase:
+            name, fingerprint = named_base(folder)
+            base = _load_base(folder, name, fingerprint, None)
+            self.warm_up(base)
+            loaded = apart(adapter_model, base, folder, self._models.claim(spec, str(folder)), name)
+            self.warm_up(loaded)
+            with self._swap:
+                self._models.set_base(base)
+                self._models.add(loaded)
         with self._swap:
             self._current = loaded
-            self.status = f"serving {spec}"
+            self.status = f"serving {loaded.id} (LoRA on {self._models.base.id})"
+        self._models.evict(keep=loaded)
         return self.status
+
+    def serves_on_base(self, spec: str) -> bool:
+        """Is ``spec`` the base served now or an adapter of it (servable without loading a base)?"""
+        try:
+            self._on_base(spec)
+        except (NotOnBase, AdapterError):
+            return False
+        return True
+
+    def _on_base(self, spec: str):
+        """(adapter folder or None, the base it names or None), if ``spec`` serves on the base
+        served now; else NotOnBase."""
+        base = self._models.base
+        folder = adapter_dir(spec)
+        if folder is None:
+            if canonical(spec) == canonical(base.name):
+                return None, None
+            raise NotOnBase(f"{model_id(spec)} is not {base.id} or an adapter of it")
+        name, fingerprint = named_base(folder)
+        if not base_matches(base, name, fingerprint):
+            raise NotOnBase(f"{model_id(spec)} is an adapter of {model_id(name)}, not of {base.id}")
+        return folder, name
+
+    def load(self, spec: str) -> LoadedModel:
+        """Make ``spec`` servable on the base served now, without changing what new conversations
+        start with: the base itself, or an adapter of it (attached now unless it is attached and
+        unchanged on disk). NotOnBase if it needs another base; AdapterError if it does not fit."""
+        base = self._models.base
+        folder, name = self._on_base(spec)
+        if folder is None:
+            return base
+        known = self._models.by_folder(folder)
+        if known is not None and self._models.attached(known) and not base.host.changed(known.adapter):
+            return known
+        loaded = apart(adapter_model, base, folder, self._models.claim(spec, str(folder)), name)
+        self.warm_up(loaded)
+        self._models.add(loaded)
+        self._models.evict(keep=self._current)
+        return loaded
+
+    def model_for(self, model_id: str | None) -> LoadedModel:
+        """The model a conversation started with (``Conversation.model``; None: the current one).
+        An adapter unloaded to save memory is attached again; a model no longer served is refused
+        with a note saying what serves now."""
+        if not model_id:
+            return self._current
+        loaded = self._models.get(model_id)
+        if loaded is not None:
+            if not self._models.attached(loaded):
+                apart(loaded.host.attach, loaded.folder, loaded.adapter, loaded.id, self._models.base.id)
+                self._models.evict(keep=self._current)
+            if loaded.host is not None:
+                loaded.host.touch(loaded.adapter)  # most recently used: not the next one unloaded
+            return loaded
+        if self._models.known(model_id):
+            raise InputError(
+                f"This chat was with {model_id}, which is no longer loaded (the app now serves "
+                f"{self._current.id}). Start a new chat to talk to {self._current.id}."
+            )
+        raise InputError(f"Unknown model {model_id!r}; models served now: {', '.join(self.model_ids())}.")
 
     def warm_up(self, loaded: LoadedModel | None = None) -> None:
         """On a GPU, prepare the CUDA-graph decoding of ``loaded`` (default: the current model)
@@ -400,7 +396,7 @@ class ChatEngine:
         message = clean_text(message, MAX_MESSAGE_CHARS, "message")
         if not neutralize(message):
             raise InputError("Type a message first.")
-        loaded = self._current  # this reply finishes on this model, whatever is swapped in meanwhile
+        loaded = self.model_for(conv.model)  # this reply finishes on it, whatever is swapped in meanwhile
         asked = replace(conv, turns=[*conv.turns, message])
         encoded, budget = self.build_input(asked, loaded)
         kwargs = settings.generate_kwargs()
@@ -425,8 +421,16 @@ class ChatEngine:
         """Yield the reply so far as it is generated (once, at the end, for beam search).
 
         Bad input raises InputError here, at the call, not at the first ``next()``."""
+        return self.open_stream(conv, message, settings)[1]
+
+    def open_stream(
+        self, conv: Conversation, message: str, settings: GenerationSettings = GENERATION_PRESETS["fast"]
+    ) -> tuple[LoadedModel, Iterator[tuple[str, Budget]]]:
+        """``stream``, with the model that answers: the conversation's (``conv.model``), or for a
+        new conversation the one serving when the call is made (name it in the next turn's
+        ``Conversation.model`` to keep the conversation on it)."""
         prepared = self._prepare(conv, message, settings)
-        return self._stream(settings, *prepared)
+        return prepared[0], self._stream(settings, *prepared)
 
     def _stream(self, settings, loaded, encoded, budget, kwargs, outputs=None) -> Iterator[tuple[str, Budget]]:
         """``stream``'s generator; the generated ids are appended to ``outputs`` at the end."""
@@ -477,3 +481,16 @@ class ChatEngine:
         text, _ = self.reply(conv, message, settings)
         conv.turns += [clean_text(message, MAX_MESSAGE_CHARS, "message"), text]
         return text
+
+
+def _load_base(folder, name: str, fingerprint: str | None, optimize: str | None) -> LoadedModel:
+    """Load the base an adapter names; refused (naming both) if it is not the one it was trained on."""
+    try:
+        base = load_apart(name, optimize)
+    except (CheckpointError, ModelLoadError) as err:
+        raise AdapterError(
+            f"{model_id(str(folder))}: its base model {model_id(name)} cannot be loaded ({err})"
+        ) from None
+    if fingerprint is not None and base.fingerprint != fingerprint:
+        raise mismatch(model_id(str(folder)), name, fingerprint, base)
+    return base

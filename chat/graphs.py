@@ -146,11 +146,12 @@ class StepGraphs:
         self._lock = threading.Lock()  # one generate() at a time may own the caches and graphs
         self.replays = 0  # steps served from a graph (tests and benchmarks read it)
 
-    def _entry(self, model, hyps: int, source_len: int, max_len: int) -> _Entry:
+    def _entry(self, model, hyps: int, source_len: int, max_len: int, variant=None) -> _Entry:
         config = model.config
-        # A graph reads the weights by address: weights moved or replaced make a new key.
+        # A graph reads the weights by address: weights moved or replaced make a new key. It also
+        # replays the Python it recorded: a LoRA adapter active then (``variant``) is part of it.
         weights = hash(tuple(p.data_ptr() for p in model.parameters()))
-        key = (hyps, source_len, max_len, model.dtype, config._attn_implementation, weights)
+        key = (hyps, source_len, max_len, model.dtype, config._attn_implementation, weights, variant)
         entry = self._entries.pop(key, None)
         if entry is None:
             decoder = config.get_text_config(decoder=True)
@@ -168,12 +169,14 @@ class StepGraphs:
         return sum(entry.bytes for entry in self._entries.values())
 
     @contextmanager
-    def decoding(self, model, input_ids: torch.Tensor, kwargs: dict):
+    def decoding(self, model, input_ids: torch.Tensor, kwargs: dict, variant=None):
         """Yield generate() kwargs (the shape's cache, compiling off) for one ``model.generate`` call
-        on ``input_ids`` with ``kwargs``."""
+        on ``input_ids`` with ``kwargs``; ``variant`` names what else the step depends on (the
+        LoRA adapter active on a shared base, ``chat.serving``): each gets graphs of its own."""
         beams = int(kwargs.get("num_beams") or 1) * int(kwargs.get("num_return_sequences") or 1)
         with self._lock:
-            entry = self._entry(model, input_ids.shape[0] * beams, input_ids.shape[1], cache_length(kwargs, model))
+            hyps, cache_len = input_ids.shape[0] * beams, cache_length(kwargs, model)
+            entry = self._entry(model, hyps, input_ids.shape[1], cache_len, variant)
             entry.cache.reset()
             entry.uses += 1
             # accelerate may have set an instance forward (mixed-precision wrapper): keep and restore it.

@@ -80,10 +80,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PERSONA_CHAT_CACHE", default))
 
 
+def preset_dir(name: str) -> Path:
+    """Where preset ``name`` is built."""
+    return cache_dir() / f"{name}-blenderbot"
+
+
 def resolve(name_or_path: str) -> str:
     """Map a preset name to its directory (building it if needed); pass others through."""
     if name_or_path in MODEL_PRESETS:
-        path = cache_dir() / f"{name_or_path}-blenderbot"
+        path = preset_dir(name_or_path)
         if not (path / "config.json").exists():
             build_preset(name_or_path, path)
         return str(path)

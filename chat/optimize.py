@@ -25,15 +25,18 @@ Full table and caveats: docs/cpu-inference-notes.md)
     activations quantized on the fly per call; fbgemm/x86 VNNI kernels) via
     ``torch.ao.quantization.quantize_dynamic``; embeddings, LayerNorms and attention stay fp32.
     Greedy 0.48 s (3.6x; 0.39 s with ``num_threads=1``), beam-10 0.78 s (5.0x), first token 0.04 s;
-    RSS 0.92 GiB. Logits within 4.6 % of fp32, teacher-forced top-1 93 % on random weights (where
-    top choices are near ties); on the trained demo model 7/8 greedy and 8/8 beam replies equal
-    fp32's. Quantizing takes ~3.5 s; peak RSS while quantizing 2.22 GiB (1.47 GiB of it the checkpoint's
-    file pages, which the kernel can drop). Caveats: ``quantize_dynamic`` is *deprecated* (torch.ao
-    says to move to torchao's ``quantize_``) but present and working in torch 2.13 (its warnings
-    are silenced here). Activations are quantized with one scale per call over the whole batch,
-    so a row's result depends on the other rows: batching different requests together changes
-    their replies (chat/batching.py serves int8 requests alone). The quantized modules are
-    read-only at inference: concurrent calls from several threads are safe, if slow (see below).
+    RSS 0.92 GiB. Each quantized layer is an ``Int8Linear``: torch's dynamic int8 module inside an
+    ``nn.Linear`` shell, so peft wraps it with LoRA like any Linear (the adapter's A and B stay fp32
+    next to the int8 weight; see ``Int8Linear``). Logits within 4.6 % of fp32, teacher-forced top-1
+    93 % on random weights (where top choices are near ties); on the trained demo model 7/8 greedy
+    and 8/8 beam replies equal fp32's. Quantizing takes ~3.5 s; peak RSS while quantizing 2.22 GiB
+    (1.47 GiB of it the checkpoint's file pages, which the kernel can drop). Caveats:
+    ``quantize_dynamic`` is *deprecated* (torch.ao says to move to torchao's ``quantize_``) but
+    present and working in torch 2.13 (its warnings are silenced here). Activations are quantized
+    with one scale per call over the whole batch, so a row's result depends on the other rows:
+    batching different requests together changes their replies (chat/batching.py serves int8
+    requests alone). The quantized modules are read-only at inference: concurrent calls from several
+    threads are safe, if slow (see below).
 
 ``num_threads`` sets ``torch.set_num_threads`` (process-wide) when given. torch's default (one
 thread per core) is fastest for beam search on an idle machine, but OpenMP's busy-waiting makes
@@ -104,6 +107,42 @@ def optimize_for_cpu(model: nn.Module, mode: str, *, num_threads: int | None = N
     return model
 
 
+class Int8Linear(nn.Linear):
+    """A linear layer computed by torch's dynamic int8 module (``torch.ao``), shaped as an ``nn.Linear``.
+
+    torch.ao's module is not an ``nn.Linear`` (its ``weight`` is a method returning the packed int8
+    weight), so peft cannot put a LoRA adapter beside it, and ``load_state_dict`` of any partial
+    state dict (an adapter's) fails inside it. As an ``nn.Linear`` with an empty fp32 ``weight``
+    placeholder, peft wraps it like any other Linear: the adapter's A and B are created, loaded and
+    kept in fp32 on the CPU (the placeholder's device and dtype), and the product stays int8. The
+    torch.ao module is held outside ``_modules``: it is an implementation detail no state dict
+    holds (an int8 model is never saved)."""
+
+    def __init__(self, quantized: nn.Module):
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate an fp32 weight
+        self.in_features, self.out_features = quantized.in_features, quantized.out_features
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.bias = None  # the bias is packed with the int8 weight
+        self.__dict__["quantized"] = quantized
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear, use_precomputed_fake_quant: bool = False) -> Int8Linear:
+        """``quantize_dynamic``'s hook: torch.ao quantizes ``mod``, this wraps the result."""
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+        return cls(DynamicLinear.from_float(mod, use_precomputed_fake_quant=use_precomputed_fake_quant))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantized(x)
+
+    def int8_bytes(self) -> int:
+        """Bytes of the packed int8 weight (biases and scales are small)."""
+        return self.quantized.weight().numel()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (dynamic)"
+
+
 def _quantize_int8(model: nn.Module) -> None:
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
 
@@ -116,7 +155,7 @@ def _quantize_int8(model: nn.Module) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated")
         warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel")
-        quantize_dynamic(model, {nn.Linear: qconfig}, inplace=True)
+        quantize_dynamic(model, {nn.Linear: qconfig}, mapping={nn.Linear: Int8Linear}, inplace=True)
     _detach_from_checkpoint_file(model)
 
 

@@ -53,6 +53,7 @@ SLOW_MODULES = {
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
     "test_browser_chat_state.py",  # saved chats' settings, the banner across two pages
     "test_browser_journeys.py",  # issue 28's journeys (items 7-15), desktop and phone
+    "test_browser_adapters.py",  # two LoRA adapters on one base: picker, chat, Compare
     "test_attacks.py",
     "test_forged_addresses.py",  # two app start-ups, forged X-Forwarded-For (issue 28 item 1)
     "test_body_limits.py",  # 150 MB bodies against the running app (issue 28 item 2)

@@ -28,6 +28,7 @@ from chat.engine import (
 )
 from chat.layout import DEFAULT_MODEL, DEMO_DIR, ROOT, is_hub_id, list_finals
 from chat.prompt import KINDS
+from chat.serving import list_adapter_finals
 from finetune.jobs.paths import runs_root
 from finetune.jobs.status import saved_results
 from finetune.measure import describe
@@ -292,8 +293,12 @@ def chat_fn(engine: ChatEngine):
     return respond
 
 
+MAX_MODEL_ID_CHARS = 200
+
+
 def api_chat_fn(engine: ChatEngine):
-    """The public ``/chat`` endpoint: stateless, returns (streams) the reply text."""
+    """The public ``/chat`` endpoint: stateless, returns (streams) the reply text and the id of the
+    model that wrote it (passed back as ``model``, it keeps the conversation on that model)."""
 
     def chat(
         message: str,
@@ -302,7 +307,8 @@ def api_chat_fn(engine: ChatEngine):
         preset: str = "fast",
         history: list[str] | None = None,
         settings: dict | None = None,
-    ) -> str:
+        model: str = "",
+    ) -> tuple[str, str]:
         """Reply to `message` as the bot described by `kind` and `context`.
 
         Args:
@@ -312,16 +318,22 @@ def api_chat_fn(engine: ChatEngine):
             preset: fast (greedy, streams) or faithful (beam 10, as Chat-E)
             history: the conversation so far, oldest first, alternating user and bot (ends with the bot's last reply)
             settings: overrides of the preset's generation settings, e.g. {"num_beams": 4, "seed": 1}
+            model: the id of the model to talk to, as an earlier reply returned it ("" = the model serving now)
+        Returns:
+            the reply, and the id of the model that wrote it: pass it as `model` to continue with that model
         """
         try:
             if history is not None and (not isinstance(history, list) or not all(isinstance(t, str) for t in history)):
                 raise InputError("history must be a list of strings (the turns so far, oldest first).")
             if not isinstance(message, str) or not isinstance(context or "", str):
                 raise InputError("message and context must be strings.")
-            conv = Conversation(kind or "none", context or "", list(history or []))
-            generation = settings_from_api(preset, settings)
-            for text, _ in engine.stream(conv, message, generation):
-                yield text
+            if not isinstance(model or "", str) or len(model or "") > MAX_MODEL_ID_CHARS:
+                raise InputError(f"model must be a model id (text of at most {MAX_MODEL_ID_CHARS} characters).")
+            conv = Conversation(kind or "none", context or "", list(history or []), model=model or None)
+            # The conversation's model, or for a new one the model serving now.
+            loaded, stream = engine.open_stream(conv, message, settings_from_api(preset, settings))
+            for text, _ in stream:
+                yield text, loaded.id
         except InputError as err:
             raise gr.Error(str(err), print_exception=False) from None
         except Exception as err:
@@ -346,19 +358,20 @@ def serving_markdown(engine: ChatEngine, loaded=None) -> str:
 
 
 def _checkpoint_label(final: Path, serving: str | None = None) -> str:
-    label = with_bleu(f"{final.parent.name}/{final.name}", str(final), serving)
+    label = with_bleu(model_label(str(final)), str(final), serving)
     return label + time.strftime(" · %Y-%m-%d %H:%M", time.localtime(final.stat().st_mtime))
 
 
 def picker_choices(
     root: Path | str | None = None, base: str | None = None, current: str | None = None
 ) -> list[tuple[str, str]]:
-    """The model picker's (label, spec) choices: base model, demo model, finished checkpoints
-    (newest first), and the model being served if it is none of those."""
+    """The model picker's (label, spec) choices: base model, demo model, finished checkpoints and
+    LoRA adapters (newest first), and the model being served if it is none of those."""
     base = base or base_model()
     demo = str(DEMO_DIR)
     choices = [(f"{model_label(base)} (base model)", base), (with_bleu(model_label(demo), demo, current), demo)]
-    finals = list_finals(root if root is not None else runs_root())
+    root = root if root is not None else runs_root()
+    finals = sorted([*list_finals(root), *list_adapter_finals(root)], key=lambda p: p.stat().st_mtime, reverse=True)
     choices += [(_checkpoint_label(p, current), str(p)) for p in finals]
     seen, unique = set(), []
     for label, spec in choices:

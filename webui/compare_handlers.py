@@ -135,11 +135,14 @@ def send(slot: CompareSlot, message, kind, context, history_a, history_b) -> Ite
         if not isinstance(message, str) or not isinstance(context or "", str):
             raise InputError("The message and context must be text.")
         text = clean_text(message, MAX_MESSAGE_CHARS, "message")
-        (spec_a, engine_a), (spec_b, engine_b) = slot.engines()
-        # Both inputs are built (and checked) before either model runs.
+        (spec_a, engine_a, id_a), (spec_b, engine_b, id_b) = slot.engines()
+        # Both inputs are built (and checked) before either model runs; each side's conversation
+        # names its model (two adapters may share one engine and its base).
         streams = [
-            engine.stream(Conversation(kind, context or "", chat_handlers.history_to_turns(history)), text, SETTINGS)
-            for engine, history in ((engine_a, history_a), (engine_b, history_b))
+            engine.stream(
+                Conversation(kind, context or "", chat_handlers.history_to_turns(history), model=model), text, SETTINGS
+            )
+            for engine, model, history in ((engine_a, id_a, history_a), (engine_b, id_b, history_b))
         ]
     except (InputError, CompareError) as err:
         yield _out(gr.skip(), history_a, history_b, None, f"⚠️ {err}")

@@ -90,7 +90,8 @@ def build(engine: ChatEngine, train: TrainTab, session: gr.BrowserState, page: g
         load = gr.Button("Load", variant="primary", elem_id="compare-load")
         load_note = gr.Markdown(elem_id="compare-load-note")
         gr.Markdown(
-            "One of A and B must be the model being served (the app holds two models at most). "
+            "LoRA adapters of the served model's base (and that base) compare on it, with no other model "
+            "in memory; anything else must fit on one more base (the app holds two base models at most). "
             "Choosing needs the Train tab's login; the chat above is open to everyone."
         )
 

@@ -15,7 +15,7 @@ testable without a server; ``webui.chat_tab`` wires them to the chatbot's like a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import gradio as gr
 
@@ -68,23 +68,25 @@ def rater(config: auth.AuthConfig, token: str | None, profile, request) -> Rater
 
 
 class _Pinned:
-    """The engine for one reply, noting the model that answers it (``ChatEngine.stream`` picks the
-    served model when called; a swap may happen at any moment)."""
+    """The engine for one reply, pinned to the conversation's model (``model_id``: the id of the
+    model that wrote its earlier replies; None for a new chat: the one serving now), noting the
+    model that answers it."""
 
-    def __init__(self, engine: ChatEngine):
-        self.engine, self.model, self.loaded = engine, None, None
+    def __init__(self, engine: ChatEngine, model_id: str | None = None):
+        self.engine, self.wanted, self.model, self.loaded = engine, model_id, None, None
 
     def stream(self, conv, message, settings):
-        while True:
-            before = self.engine.current
-            stream = self.engine.stream(conv, message, settings)
-            # Each load makes a new LoadedModel: the same object before and after the call means the
-            # reply was prepared on it. Otherwise the not-yet-started generator is dropped (nothing
-            # was generated) and the reply prepared again.
-            if self.engine.current is before:
-                self.model, self.loaded = before.name, before
-                return stream
-            stream.close()
+        # A conversation that has a model keeps it (ChatEngine.model_for: InputError with a note if
+        # it is no longer served); a new one starts with the current model.
+        self.loaded, stream = self.engine.open_stream(replace(conv, model=self.wanted), message, settings)
+        self.model = self.loaded.name
+        return stream
+
+
+def conversation_model(records: dict) -> str | None:
+    """The id of the model a conversation is with: the one that wrote its latest recorded reply."""
+    ids = [r.get("id") for _, r in sorted(records.items()) if isinstance(r, dict)]
+    return next((i for i in reversed(ids) if isinstance(i, str) and i), None)
 
 
 def chat_fn(engine: ChatEngine):
@@ -111,13 +113,21 @@ def chat_fn(engine: ChatEngine):
         index = len(history or []) + 1  # ChatInterface appends the message, then this reply
         # Records of messages after this one belong to a conversation that was cut (undo, an edit).
         kept = {i: r for i, r in (replies or {}).items() if isinstance(i, int) and i < index}
+        # An old chat keeps its model across swaps (an adapter still served on the base); one whose
+        # model left with a swap goes on with the model serving now, and a note after the reply says so.
+        wanted = conversation_model(kept)
+        pinned = _Pinned(engine, wanted if wanted in engine.model_ids() else None)
         previous = kept[max(kept)]["model"] if kept else None  # the model of this chat's last reply
-        pinned = _Pinned(engine)
         inputs = (kind, context, preset, beams, sample, temperature, top_p, max_new_tokens, seed)
         banner, banner_of = None, None  # written once per model that answers, not once per streamed chunk
         for reply, meter in chat_handlers.chat_fn(pinned)(message, history, *inputs):
             if isinstance(reply, str) and pinned.model is not None:
-                record = {"model": pinned.model, "kind": kind or "none", "context": context or ""}
+                record = {
+                    "model": pinned.model,
+                    "id": pinned.loaded.id,
+                    "kind": kind or "none",
+                    "context": context or "",
+                }
                 kept[index] = {**record, "reply": reply, "original": reply}
             else:  # a notice: nothing to rate
                 kept.pop(index, None)

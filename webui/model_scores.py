@@ -6,19 +6,38 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from chat.adapters import base_of
 from chat.layout import DEMO_DIR, FINAL
+from chat.serving import adapter_dir
 from finetune.jobs.status import bleu_parts, bleu_parts_text, saved_results
 from finetune.measure import comparable, describe, saved_measure
 
 
 def model_label(spec: str) -> str:
-    """A model's name for visitors, never a server path: "demo model", a run's RUN/final, a folder's name."""
+    """A model's name for visitors, never a server path: "demo model", a run's RUN/final, a folder's
+    name; a LoRA adapter with its base: "persona-bob/final (LoRA on demo model)"."""
     path = Path(spec)
     if not (path.is_absolute() or path.exists()):
         return spec  # a Hub id or a preset
     if path.resolve() == DEMO_DIR:
         return "demo model (tiny, bundled)"
-    return f"{path.parent.name}/{path.name}" if path.name == FINAL else path.name
+    label = f"{path.parent.name}/{path.name}" if path.name == FINAL else path.name
+    folder = adapter_dir(spec)
+    return f"{label} (LoRA on {base_label(folder)})" if folder is not None else label
+
+
+def base_label(adapter: Path) -> str:
+    """The base an adapter folder names, as visitors see it: "demo model", a run's name, a Hub id."""
+    try:
+        name = base_of(adapter)[0]
+    except ValueError:
+        return "an unknown base"
+    path = Path(name)
+    if not (path.is_absolute() or path.exists()):
+        return name  # a Hub id or a preset
+    if path.resolve() == DEMO_DIR:
+        return "demo model"
+    return path.parent.name if path.name == FINAL else path.name
 
 
 def model_bleu(spec: str) -> float | None:

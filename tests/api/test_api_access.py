@@ -43,7 +43,7 @@ def test_keys_are_required_when_set_and_never_logged(keyed, keys, caplog):
         assert refused.json()["error"]["type"] == "invalid_request_error"
     assert all(key not in caplog.text for key in keys)
     # The chat itself stays open: the keys guard the API only.
-    assert Client(keyed.url, verbose=False).predict("hello!", "none", "", api_name="/chat").strip()
+    assert Client(keyed.url, verbose=False).predict("hello!", "none", "", api_name="/chat")[0].strip()
 
 
 class Gate(BaseStreamer):
@@ -142,7 +142,7 @@ def test_32_api_streams_at_once_and_a_browser_visitor_still_gets_a_reply(app, ca
         chat = Client(app.url, verbose=False)
         start.wait(60)
         started = time.perf_counter()
-        reply = chat.predict("hi! are you there?", "none", "", api_name="/chat")
+        reply, _ = chat.predict("hi! are you there?", "none", "", api_name="/chat")
         return reply, time.perf_counter() - started
 
     alone = []

@@ -10,7 +10,7 @@ from api.mapping import parse
 from api.responses import Answer
 from chat.engine import GENERATION_PRESETS, Budget, Conversation, Reply
 
-MODELS = ["persona-chat-demo"]
+MODELS = ["demo-model"]
 
 
 def ask(*messages, **fields):
@@ -35,10 +35,10 @@ def test_messages_become_the_conversation():
         {"role": "user", "content": "tell me more"},
     )
     assert c.conversation == Conversation(
-        "persona", "I love dogs. I am a nurse.", ["hi! want to talk?", "sure", "great"]
+        "persona", "I love dogs. I am a nurse.", ["hi! want to talk?", "sure", "great"], model=MODELS[0]
     )
     assert c.message == "tell me more" and c.settings == GENERATION_PRESETS["fast"] and not c.stream
-    assert ask({"role": "user", "content": "hi"}).conversation == Conversation("none", "", [])
+    assert ask({"role": "user", "content": "hi"}).conversation == Conversation("none", "", [], MODELS[0])
     emotion = ask({"role": "system", "content": "joyful"}, {"role": "user", "content": "hi"}, kind="emotion")
     assert emotion.conversation.kind == "emotion" and emotion.conversation.context == "joyful"
 

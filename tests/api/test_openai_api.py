@@ -104,7 +104,7 @@ def test_a_continued_conversation_equals_the_chat_endpoints_reply(app):
             model=DEMO_ID, messages=conversation, temperature=0.9, top_p=0.8, seed=1234, max_tokens=30
         )
         text = reply.choices[0].message.content
-        same = chat.predict(message, "persona", CONTEXTS["persona"], "fast", history, sampling, api_name="/chat")
+        same, _ = chat.predict(message, "persona", CONTEXTS["persona"], "fast", history, sampling, api_name="/chat")
         assert text == same and text
         conversation.append(reply.choices[0].message.model_dump())  # as SDK users echo it back
         history += [message, text]

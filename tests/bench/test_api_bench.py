@@ -16,5 +16,5 @@ def test_api_bench_smoke(tmp_path, capsys):
     for name in ("chat", "api"):
         assert len(result[name]["seconds"]) == 4 and result[name]["p50"] > 0 and result[name]["first_text_p50"] > 0
         assert len(result[name]["app_cpu_seconds"]) == 4 and result[name]["app_cpu_p50"] > 0
-    assert result["model"] == "persona-chat-demo" and result["same_replies"] == 4  # greedy: the same replies
+    assert result["model"] == "demo-model" and result["same_replies"] == 4  # greedy: the same replies
     assert result["paired_ratio_p50"] > 0 and "paired ratios" in printed

@@ -80,3 +80,24 @@ def test_unknown_graph_mode_is_refused():
     assert graph_mode("1") == "capture" and graph_mode(" OFF ") == "off" and graph_mode("compile") == "compile"
     with pytest.raises(ValueError, match="CHAT_CUDA_GRAPHS"):
         graph_mode("yes")
+
+
+def test_adapter_mode_times_base_and_adapter_in_one_run(tmp_path, capsys):
+    out = tmp_path / "adapter.json"
+    argv = ["--model", str(DEMO_DIR), "--adapter", "--adapter_r", "4", "--optimize", "int8", "--prompts", "2"]
+    assert main([*argv, "--repeats", "1", "--reply_tokens", "5", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert "LoRA r4 on q_proj" in data["header"] and data["command"].startswith("python -m bench.chat --model")
+    (result,) = data["results"]
+    assert result["optimize"] == "int8" and 0 < result["attach_seconds"] and result["adapter_mb"] > 0
+    for preset in ("fast", "faithful"):
+        figures = result[preset]
+        for side in ("base", "adapter", "base_beside_adapters"):
+            assert 0 < figures[side]["p50"] <= figures[side]["p95"]
+        assert figures["adapter_overhead_p50"] == figures["adapter"]["p50"] / figures["base"]["p50"] - 1
+        assert -1 < figures["adapter_overhead_paired_median"] and figures["adapter"]["cpu_p50"] > 0
+    assert result["fast"]["adapter"]["first_text_p50"] > 0 and result["faithful"]["adapter"]["first_text_p50"] is None
+    assert (
+        result["lora_forward"] == "lean"
+        and "| int8, graphs capture (cpu), LoRA forward: lean |" in capsys.readouterr().out
+    )

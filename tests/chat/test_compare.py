@@ -1,6 +1,7 @@
-"""The Compare view's model slot (chat/compare.py): at most one extra model beside the serving
-one, the serving engine reused, the extra model freed when idle. Real models: the bundled demo
-model serves, the tiny preset (and a copy of it) is the extra model."""
+"""The Compare view's model slot (chat/compare.py): at most one extra base model beside the serving
+one, the serving engine reused (adapters of its base attached to it), the extra model freed when
+idle. Real models: the bundled demo model serves, the tiny preset (and a copy of it) is the extra
+model, and LoRA adapters made with peft (tests/adapter_files.py) sit on either."""
 
 import gc
 import shutil
@@ -8,6 +9,8 @@ import time
 import weakref
 
 import pytest
+from adapter_files import make_adapter
+from transformers import BlenderbotForConditionalGeneration
 
 from chat.compare import CompareError, CompareSlot, same_model
 from chat.engine import DEMO_DIR, ChatEngine, Conversation, load_checkpoint
@@ -92,8 +95,9 @@ def test_idle_unload_frees_the_model_and_the_next_reply_loads_it_again(slot, ser
     ref = model_ref(slot.extra)
     slot.clock.now += 599
     assert slot.unload_if_idle() is False and ref() is not None  # used 599 s ago: kept
-    (spec_a, engine_a), (spec_b, engine_b) = slot.engines()  # a use restarts the idle clock
+    (spec_a, engine_a, id_a), (spec_b, engine_b, id_b) = slot.engines()  # a use restarts the idle clock
     assert (spec_a, spec_b) == (str(DEMO_DIR), str(tiny_path)) and engine_a is serving
+    assert (id_a, id_b) == ("demo-model", "tiny")  # what each side's conversation names
     slot.clock.now += 599
     assert slot.unload_if_idle() is False
     del engine_b
@@ -102,7 +106,7 @@ def test_idle_unload_frees_the_model_and_the_next_reply_loads_it_again(slot, ser
     gc.collect()
     assert ref() is None and slot.extra is None and slot.loaded_spec is None
     assert slot.pair == (str(DEMO_DIR), str(tiny_path))  # the choice stays
-    (_, again), (_, extra) = slot.engines()
+    (_, again, _), (_, extra, _) = slot.engines()
     assert again is serving and extra is slot.extra and slot.loader.specs == [str(tiny_path)] * 2
 
 
@@ -146,3 +150,56 @@ def test_same_model():
     assert same_model(str(DEMO_DIR), str(DEMO_DIR / "."))
     assert same_model("facebook/x", "facebook/x")
     assert not same_model("facebook/x", "facebook/y") and not same_model(None, "a") and not same_model("", "")
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+@pytest.fixture(scope="module")
+def demo_adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return {name: make_adapter(DEMO_DIR, root / name, seed=seed) for seed, name in enumerate(("bob", "ann"))}
+
+
+def base_models() -> int:
+    """Base models alive in this process."""
+    gc.collect()
+    return sum(isinstance(o, BlenderbotForConditionalGeneration) for o in gc.get_objects())
+
+
+def test_two_adapters_of_the_serving_base_compare_on_one_base(demo_adapters, tiny_path):
+    engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="none"), "serving the demo model")
+    loader = CountingLoader()
+    slot = CompareSlot(engine, optimize="none", loader=loader)
+    slot.choose(str(DEMO_DIR), str(tiny_path))  # a full model: an extra base, as before
+    extra = weakref.ref(slot.extra.current.model)
+    models = base_models()
+    bob, ann = (str(demo_adapters[name].parent) for name in ("bob", "ann"))
+    slot.choose(bob, ann)
+    assert base_models() == models - 1 and extra() is None and slot.extra is None  # the extra base left
+    assert loader.specs == [str(tiny_path)]  # nothing loaded for the adapters
+    (_, engine_a, id_a), (_, engine_b, id_b) = slot.engines()
+    assert engine_a is engine_b is engine and (id_a, id_b) == ("bob", "ann")
+    assert engine.current.id == "demo-model"  # comparing does not change what the chat serves
+    replies = [engine.reply(Conversation("persona", "i love dogs.", model=i), "hello there")[0] for i in (id_a, id_b)]
+    assert replies[0] != replies[1]  # each side answers with its own adapter
+    assert engine.model_for("bob").model is engine.model_for("ann").model is engine.current.model  # one base
+    slot.choose(str(DEMO_DIR), bob)  # an adapter against its base: one base too
+    assert slot.extra is None and base_models() == models - 1 and loader.specs == [str(tiny_path)]
+    assert [side[2] for side in slot.engines()] == ["demo-model", "bob"]
+
+
+def test_adapters_of_another_base_share_one_extra_base(serving, tiny_path, tmp_path):
+    loader = CountingLoader()
+    slot = CompareSlot(serving, optimize="none", loader=loader)
+    carl, dora = (make_adapter(tiny_path, tmp_path / n, seed=s) for s, n in ((3, "carl"), (4, "dora")))
+    slot.choose(str(carl), str(dora))
+    assert loader.specs == [str(tiny_path)]  # their base, once
+    (_, engine_a, id_a), (_, engine_b, id_b) = slot.engines()
+    assert engine_a is engine_b is slot.extra and engine_a is not serving and (id_a, id_b) == ("carl", "dora")
+    assert engine_a.base.id == "tiny" and serving.model_ids() == ["demo-model"]  # the chat is untouched
+    other = make_adapter(DEMO_DIR, tmp_path / "eve", seed=5)
+    with pytest.raises(CompareError, match="must be the one being served"):
+        slot.choose(str(carl), str(tiny_path / ".." / "nothing-like-it"))  # two other bases: refused
+    slot.choose(str(other), str(dora))  # one on the serving base, one on the extra base
+    assert loader.specs == [str(tiny_path)] and [side[2] for side in slot.engines()] == ["eve", "dora"]

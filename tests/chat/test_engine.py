@@ -882,9 +882,9 @@ def test_stream_refuses_bad_input_at_the_call(engine, generate_calls):
 
 
 def test_models_load_in_a_thread_that_then_ends(monkeypatch, demo):
-    """ChatEngine.start and swap load in a short-lived thread (chat.engine.load_apart: a thread
-    that lives on would keep a second OpenMP team on the cores and slow every CPU reply)."""
-    import chat.engine as engine_module
+    """ChatEngine.start and swap load in a short-lived thread (chat.loading.apart: a thread that
+    lives on would keep a second OpenMP team on the cores and slow every CPU reply)."""
+    import chat.loading as engine_module
 
     threads = []
     real = engine_module.load_checkpoint

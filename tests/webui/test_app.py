@@ -153,7 +153,7 @@ def test_oversized_history_is_refused_before_any_work(engine):
 def test_lone_surrogates_in_api_input_get_a_reply(engine):
     chat = chat_handlers.api_chat_fn(engine)
     replies = list(chat("hi \ud800 there", "persona", "i like \udc00 tea", "fast", ["a \ud83d", "b"]))
-    assert replies and isinstance(replies[-1], str)
+    assert replies and isinstance(replies[-1][0], str) and replies[-1][1] == engine.current.id
 
 
 def test_history_to_turns_keeps_the_dialogue_alternating():
@@ -490,26 +490,30 @@ def test_api_signature(client):
         ("preset", True, "fast"),
         ("history", True, None),
         ("settings", True, None),
+        ("model", True, ""),
     ]
 
 
 def test_every_kind_replies_through_the_api(client, engine):
-    replies = {kind: client.predict(HELLO, kind, CONTEXTS[kind], api_name="/chat") for kind in KINDS}
+    answers = {kind: client.predict(HELLO, kind, CONTEXTS[kind], api_name="/chat") for kind in KINDS}
+    assert {model for _, model in answers.values()} == {engine.current.id}  # the model that wrote each reply
+    replies = {kind: reply for kind, (reply, _) in answers.items()}
     for kind, reply in replies.items():
         assert isinstance(reply, str) and reply.strip()
         assert reply == engine.reply(Conversation(kind, CONTEXTS[kind]), HELLO)[0]  # greedy, "fast" defaults
     assert replies["persona"] != replies["emotion"]
     # Chat-E's emotion was "happy", not one of the 32 labels: still accepted as a custom value.
-    assert client.predict(HELLO, "emotion", "happy", api_name="/chat").strip()
+    assert client.predict(HELLO, "emotion", "happy", api_name="/chat")[0].strip()
 
 
 def test_api_streams_and_takes_settings(client, engine):
     job = client.submit(HELLO, "topic", "jazz", api_name="/chat")
     final = job.result()
     outputs = job.outputs()
-    assert len(outputs) > 1 and outputs[-1] == final
-    assert all(b.startswith(a) for a, b in itertools.pairwise(outputs))
-    beam = client.predict(
+    assert len(outputs) > 1 and tuple(outputs[-1]) == tuple(final)
+    assert {model for _, model in outputs} == {engine.current.id}
+    assert all(b.startswith(a) for (a, _), (b, _) in itertools.pairwise(outputs))
+    beam, _ = client.predict(
         HELLO, "topic", "jazz", preset="faithful", settings={"num_beams": 3, "max_new_tokens": 12}, api_name="/chat"
     )
     expected = engine.reply(
@@ -528,7 +532,7 @@ def run_conversation(client, kind, context, messages, step=None):
     """Chat through the stateless API, carrying the history; ``step`` runs between turns."""
     history = []
     for message in messages:
-        reply = client.predict(message, kind, context, history=history, api_name="/chat")
+        reply, _ = client.predict(message, kind, context, history=history, api_name="/chat")
         history = [*history, message, reply]
         if step:
             step()
@@ -547,7 +551,8 @@ def test_two_clients_conversations_stay_apart(server):
 
     def b_turn():  # one turn of B after each turn of A
         message = next(b_messages)
-        b_history.extend([message, client_b.predict(message, *CONV_B[:2], history=list(b_history), api_name="/chat")])
+        reply, _ = client_b.predict(message, *CONV_B[:2], history=list(b_history), api_name="/chat")
+        b_history.extend([message, reply])
 
     assert run_conversation(client_a, *CONV_A, step=b_turn) == alone_a
     assert b_history == alone_b
@@ -561,7 +566,7 @@ def test_two_clients_conversations_stay_apart(server):
 def test_empty_message_gives_the_friendly_error(client, message):
     with pytest.raises(AppError, match="Type a message first."):
         client.predict(message, "persona", chat_handlers.CHAT_E_PERSONA, api_name="/chat")
-    assert client.predict("still there?", "none", "", api_name="/chat").strip()  # the app keeps serving
+    assert client.predict("still there?", "none", "", api_name="/chat")[0].strip()  # the app keeps serving
 
 
 @pytest.mark.parametrize(
@@ -632,7 +637,7 @@ def start_app_py(tmp_path, **env_changes) -> tuple[float, list[str]]:
             and "instead of facebook/blenderbot-400M-distill" in v
             for v in values
         )
-        assert Client(url, verbose=False).predict("hi!", "none", "", api_name="/chat").strip()
+        assert Client(url, verbose=False).predict("hi!", "none", "", api_name="/chat")[0].strip()
         return ready, list(lines)
     finally:
         proc.terminate()

@@ -118,7 +118,7 @@ def test_anonymous_callers_are_refused_server_side(locked, upload_file):
     assert locked.engine.current is serving
     # watching and "Show command" stay open; chatting too
     assert "--model_name_or_path tiny" in caller("train_command", *run_form(locked.tab))
-    assert caller.client.predict("hi!", "none", "", api_name="/chat").strip()
+    assert caller.client.predict("hi!", "none", "", api_name="/chat")[0].strip()
 
 
 def test_a_login_is_the_browser_token_not_the_session(locked):
@@ -157,7 +157,7 @@ def test_nothing_configured_refuses_everyone(open_app, upload_file):
     assert "no login is configured" in caller("load_model", str(DEMO_DIR), "")
     assert open_app.engine.current is serving
     assert open_app.tab.manager.runs() == [] and not copied(open_app)
-    assert caller.client.predict("hi!", "none", "", api_name="/chat").strip()
+    assert caller.client.predict("hi!", "none", "", api_name="/chat")[0].strip()
 
 
 def test_the_password_never_reaches_a_page(locked):
@@ -234,8 +234,8 @@ def test_logged_in_session_uploads_trains_and_serves_the_new_model(locked, uploa
     loaded = caller("load_model", final, "")
     assert loaded.startswith("✅ Now serving") and "measured differently" in loaded, loaded
     assert locked.engine.current.name == final
-    assert caller.client.predict("hi! how are you?", "none", "", api_name="/chat").strip()
+    assert caller.client.predict("hi! how are you?", "none", "", api_name="/chat")[0].strip()
     # a push needs the Hub: offline it fails with the reason, and the app keeps serving
     with pytest.raises(AppError, match="could not push"):
         caller("train_push", "someone/chat-e", False, False)
-    assert caller.client.predict("still there?", "none", "", api_name="/chat").strip()
+    assert caller.client.predict("still there?", "none", "", api_name="/chat")[0].strip()

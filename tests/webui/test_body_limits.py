@@ -75,7 +75,7 @@ def test_a_huge_body_is_refused_with_413_without_being_read(app, path, chunked):
 
 
 def test_bodies_within_the_bound_chat_upload_and_login_still_work(app, tmp_path):
-    assert Client(app.url, verbose=False).predict("hello!", "none", "", api_name="/chat").strip()
+    assert Client(app.url, verbose=False).predict("hello!", "none", "", api_name="/chat")[0].strip()
     with http_from(app) as http:
         answer = run_predict(http, fn_index(app, "train_login"), [None, PASSWORD]).json()
         assert "Logged in" in json.dumps(answer)

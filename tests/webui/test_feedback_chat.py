@@ -227,13 +227,21 @@ def test_the_model_that_answered_is_recorded_not_the_one_serving_at_rating_time(
     shutil.copytree(DEMO_DIR, other)
     engine = SwapWhilePreparing(demo_model, "serving demo")
     engine.other = str(other)
-    history, replies = say(engine, "hi", [], {})  # prepared on the demo model, swapped: prepared again
-    assert replies[1]["model"] == str(other) == engine.current.name
+    history, replies = say(engine, "hi", [], {})  # prepared on the demo model, which writes it; swapped meanwhile
+    assert replies[1]["model"] == str(DEMO_DIR) and replies[1]["id"] == "demo-model"
+    assert engine.current.name == str(other)
+    new_chat, new_replies = say(engine, "hello", [], {})  # a new chat starts with the served one
+    assert new_replies[1]["model"] == str(other) and new_replies[1]["id"] == "second"
+    # The old chat's model left with the swap (another base model): its next message gets a note
+    # saying so, not a reply from another bot.
+    with pytest.warns(UserWarning, match="This chat was with demo-model, which is no longer loaded"):
+        after, kept = say(engine, "and you?", history, replies)
+    assert chat_handlers.is_notice(after[-1]) and set(kept) == {1}
     engine.swap(str(DEMO_DIR))  # served when the rating comes: not what answered
-    history, replies = say(engine, "and you?", history, replies)
+    feedback_handlers.like(visitor(), new_chat, new_replies, 1, True, store)
     feedback_handlers.like(visitor(), history, replies, 1, True, store)
-    feedback_handlers.like(visitor(), history, replies, 3, True, store)
-    assert [r.model for r in store.rows()] == [str(DEMO_DIR), str(other)]
+    models = {r.original: r.model for r in store.rows()}
+    assert models == {new_chat[1]["content"]: str(other), history[1]["content"]: str(DEMO_DIR)}
 
 
 def test_a_model_swapped_mid_chat_is_said_in_the_chat(demo_model, store, tmp_path):
@@ -268,8 +276,11 @@ def test_the_banner_names_the_model_that_wrote_the_reply(demo_model, tmp_path):
     shutil.copytree(DEMO_DIR, other)
     engine = SwapWhilePreparing(demo_model, "offline: using the demo model instead of facebook/x")
     assert chat_handlers.serving_markdown(engine).startswith("⚠️ **Offline")
-    engine.other = str(other)  # swapped while the reply is prepared: the new model writes it
+    engine.other = str(other)  # swapped while the reply is prepared: the model it was prepared on writes it
     out = list(feedback_handlers.chat_fn(engine)("hi", [], "persona", PERSONA, *SETTINGS, {}))
+    assert {banner for _, _, banner, _ in out} == {chat_handlers.serving_markdown(engine, demo_model)}
+    assert out[-1][2].startswith("✅ **Serving demo model (tiny, bundled)** (")
+    out = list(feedback_handlers.chat_fn(engine)("hi", [], "persona", PERSONA, *SETTINGS, {}))  # a new chat
     assert {banner for _, _, banner, _ in out} == {chat_handlers.serving_markdown(engine)}
     assert out[-1][2].startswith("✅ **Serving second/final** (")
     # A reply written by a model no longer served names the model that wrote it, not the served one.

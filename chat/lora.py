@@ -1,0 +1,119 @@
+"""peft's LoRA linear layer with a lean forward for CPU serving, the same numbers as peft's.
+
+An unmerged LoRA adapter adds two small products to each wrapped projection (rank 8 or 16 against
+1,280 features): arithmetic that costs a few microseconds. What costs more on a CPU is peft's
+general forward around them: checks for merged weights, mixed batches and LoRA variants, and four
+module calls (dropout, A, B, the base layer) per projection. With ~100 projections per decoder
+step of the 400M model, that made an int8 adapter's reply ~35-40% slower than its base's
+(docs/chat-benchmarks.md).
+
+``ServedLoraLinear`` takes a straight path for the two cases serving needs, decided once each time
+the layer's adapters change (``_plan``), not on every call:
+
+* no adapter of this layer active (the base serving beside its adapters): the base layer alone;
+* one active, plain LoRA adapter, fp32 on the CPU, in eval mode: ``result + (x A^T) B^T *
+  scaling`` as one ``addmm`` with ``alpha=scaling`` over peft's own tensors, which gives the same
+  bits as peft's ``result + lora_B(lora_A(x)) * scaling`` (the same MKL products;
+  tests/chat/test_serving.py checks replies token for token against peft's PeftModel, and logits
+  bit for bit against peft's own forward on the int8 base).
+
+Everything else (several adapters, DoRA and the other variants, mixed batches, bf16, the GPU, where
+CUDA graphs absorb the Python, training) goes through peft's forward. Installed with peft's
+custom-module hook (``LoraConfig._register_custom_module``) by ``chat.serving.Host.attach``, so peft
+builds it wherever it would build its own Linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora.layer import Linear
+
+from chat.optimize import Int8Linear
+
+_PEFT = ("peft",)  # this layer's calls go through peft's forward
+
+
+class ServedLoraLinear(Linear):
+    """peft's LoRA ``Linear``, with a lean forward for the base alone or one plain fp32 CPU adapter."""
+
+    lean = True  # tests turn it off to compare with peft's own forward
+
+    def _replan(self) -> tuple:
+        """What calls run until the adapters change: ("base", layer), ("lora", layer, A, B^T,
+        scaling), or ("peft",)."""
+        plan = self._decide()
+        self.__dict__["_plan"] = plan
+        return plan
+
+    def _decide(self) -> tuple:
+        if not self.lean or self.merged:
+            return _PEFT
+        base = self.get_base_layer()
+        # An int8 layer is torch.ao's module in an nn.Linear shell: call the module itself (the
+        # shell's forward does nothing else; one Python call less on ~100 projections a step).
+        base = base.quantized if isinstance(base, Int8Linear) else base
+        active = [name for name in self.active_adapters if name in self.lora_A]
+        if self.disable_adapters or not active:
+            return ("base", base)
+        if len(active) != 1:
+            return _PEFT
+        name = active[0]
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        plain = name not in self.lora_variant and not self.lora_bias.get(name, False)
+        on_cpu = a.device.type == b.device.type == "cpu" and a.dtype == b.dtype == torch.float32
+        return ("lora", base, a, b.t(), self.scaling[name]) if plain and on_cpu else _PEFT
+
+    def _invalidate(self) -> None:
+        self.__dict__["_plan"] = None
+
+    # Whatever changes the adapters, their tensors or the module's place makes a new plan.
+    def set_adapter(self, *args, **kwargs):
+        self._invalidate()
+        return super().set_adapter(*args, **kwargs)
+
+    def enable_adapters(self, enabled: bool) -> None:
+        self._invalidate()
+        super().enable_adapters(enabled)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        self._invalidate()
+        super().delete_adapter(adapter_name)
+
+    def update_layer(self, *args, **kwargs):
+        self._invalidate()
+        return super().update_layer(*args, **kwargs)
+
+    def merge(self, *args, **kwargs) -> None:
+        self._invalidate()
+        super().merge(*args, **kwargs)
+
+    def unmerge(self) -> None:
+        self._invalidate()
+        super().unmerge()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._invalidate()  # an adapter's tensors may be replaced (peft loads with assign=True)
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._invalidate()  # .to() / .float(): the tensors may move
+        return super()._apply(fn, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        plan = self.__dict__.get("_plan") or self._replan()
+        kind = plan[0]
+        if kind == "peft" or args or kwargs:
+            return super().forward(x, *args, **kwargs)
+        if kind == "base":
+            return plan[1](x)  # peft's result with no adapter of this layer active
+        if self.training or x.dtype != torch.float32:  # dropout would drop; a cast peft makes
+            return super().forward(x, *args, **kwargs)
+        _, base, a, b_t, scaling = plan
+        result = base(x)
+        down = F.linear(x.reshape(-1, x.shape[-1]), a)  # dropout: the identity in eval mode
+        if result.requires_grad or not result.is_contiguous():
+            return torch.addmm(result.reshape(-1, result.shape[-1]), down, b_t, alpha=scaling).view(result.shape)
+        flat = result.view(-1, result.shape[-1])
+        flat.addmm_(down, b_t, alpha=scaling)  # in place: the base layer's fresh output, one allocation less
+        return result
