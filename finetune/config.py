@@ -20,6 +20,7 @@ import yaml
 from chat.adapters import ADAPTER_KINDS, LORA_TARGETS
 from chat.layout import DEFAULT_MODEL, is_hub_id
 from chat.model import ATTENTION
+from finetune.preference import OBJECTIVES
 
 DEFAULT_DATASET = "smangrul/MuDoConv"
 TRACKERS = ("tensorboard", "wandb", "trackio", "all")
@@ -115,6 +116,26 @@ class TrainConfig:
     )
     dataloader_num_workers: int | None = _doc(
         "Batch-collating worker processes (default: 2 on GPUs, 0 on CPU).", default=None
+    )
+    # --- preference tuning (finetune/preference.py, finetune/preference_data.py)
+    objective: str = _doc(
+        "sft: learn the target replies (cross-entropy); dpo: prefer each chosen reply over its rejected one; "
+        "kto: raise desirable replies and lower undesirable ones (unpaired). dpo and kto need preference_file.",
+        default="sft",
+    )
+    beta: float = _doc(
+        "How far dpo/kto may move from the starting model (the reference): larger stays closer.", default=0.1
+    )
+    sft_weight: float = _doc(
+        "Weight of a cross-entropy term on the chosen (dpo) or desirable (kto) replies, added to the loss.", default=0.0
+    )
+    preference_file: str | None = _doc(
+        "Preference rows (.jsonl/.json/.csv/.parquet): kind, context, turns (or texts) with chosen and rejected "
+        "(dpo) or response and label (kto); every 10th row is held out unless preference_validation_file is given.",
+        default=None,
+    )
+    preference_validation_file: str | None = _doc(
+        "Held-out preference rows (eval_pref_accuracy, eval_pref_margin); needs preference_file.", default=None
     )
     # --- adapters (finetune/lora.py)
     adapter: str = _doc(
@@ -240,6 +261,7 @@ class TrainConfig:
         if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
             raise ValueError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         self._check_adapter()
+        self._check_objective()
         if self.push_to_hub and not self.save_model:
             raise ValueError("--push_to_hub needs the final model: drop --save_model false")
         if self.push_to_hub and not self.hub_model_id:
@@ -264,6 +286,21 @@ class TrainConfig:
             raise ValueError(f"--lora_alpha must be >= 1, got {self.lora_alpha}")
         if not 0 <= self.lora_dropout < 1:  # (also refuses NaN)
             raise ValueError(f"--lora_dropout must be >= 0 and < 1, got {self.lora_dropout}")
+
+    def _check_objective(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective == "sft":
+            if self.preference_file is not None:
+                raise ValueError("--preference_file needs --objective dpo or kto")
+        elif self.preference_file is None:
+            raise ValueError(f"--objective {self.objective} needs --preference_file (its preference rows)")
+        if self.preference_validation_file is not None and self.preference_file is None:
+            raise ValueError("--preference_validation_file needs --preference_file")
+        if not self.beta > 0:  # (also refuses NaN)
+            raise ValueError(f"--beta must be > 0, got {self.beta}")
+        if not self.sft_weight >= 0:
+            raise ValueError(f"--sft_weight must be >= 0, got {self.sft_weight}")
 
     @property
     def packs(self) -> bool:

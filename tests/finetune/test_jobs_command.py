@@ -194,6 +194,9 @@ def _random_config(rng: random.Random) -> TrainConfig | None:
         "hub_model_id": ("me/chat", None),
         # A dataset name is checked as a Hub id or a loader's name: random text is mostly refused.
         "dataset_name": ("smangrul/MuDoConv", "me/my-dialogues", "json"),
+        "objective": ("sft",),  # dpo/kto need a preference file, which the round trip leaves out
+        "preference_file": (None,),
+        "preference_validation_file": (None,),
         "lr_scheduler_type": ("linear", "cosine", "constant"),
         "adapter": ("none", "lora", "lora"),
         "lora_target_modules": (("q_proj",), ("fc2", "v_proj"), ("q_proj", "k_proj", "v_proj", "out_proj")),

@@ -1,6 +1,7 @@
 """Preference files: both row shapes, both source forms, every format, and clear errors."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import pandas as pd
@@ -8,6 +9,7 @@ import pytest
 from datasets import Dataset
 
 from chat.prompt import build_source
+from finetune.config import TrainConfig
 from finetune.data import DataError
 from finetune.preference_data import load_preferences, tokenize, validate
 
@@ -95,3 +97,20 @@ def test_tokenize_gives_each_reply_its_labels_and_fits_long_sources(tiny_tokeniz
         validate(Dataset.from_list([RATED, {**RATED, "response": "bye"}]), "rows", "kto"), tiny_tokenizer, cfg, "kto"
     )
     assert two["kl_labels"] == [two["labels"][1], two["labels"][0]]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"objective": "dpo"}, "--objective dpo needs --preference_file"),
+        ({"objective": "orpo", "preference_file": "p.jsonl"}, "--objective must be one of sft, dpo, kto"),
+        ({"preference_file": "p.jsonl"}, "--preference_file needs --objective dpo or kto"),
+        ({"objective": "kto", "preference_file": "p.jsonl", "beta": 0.0}, "--beta must be > 0"),
+        ({"objective": "dpo", "preference_file": "p.jsonl", "sft_weight": -1.0}, "--sft_weight must be >= 0"),
+        ({"preference_validation_file": "v.jsonl"}, "--preference_validation_file needs --preference_file"),
+    ],
+)
+def test_the_objective_flags_are_checked(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**changes)
+    assert TrainConfig(objective="dpo", preference_file="p.jsonl").beta == 0.1
