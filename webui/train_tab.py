@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from webui import auth, review_tab, train_lora
+from webui import auth, review_tab, train_lora, train_objective
 from webui import train_handlers as handlers
 from webui import train_preflight as preflight
 from webui import train_view as view
@@ -144,6 +144,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 **locked,
             )
         form.update(train_lora.build(defaults, locked))  # full fine-tuning or a LoRA adapter
+        objective, preference_counts = train_objective.build(defaults, locked)  # SFT, DPO or KTO
+        form.update(objective)
         with gr.Row(elem_classes="train-pair"):
             form["use_feedback"] = gr.Checkbox(
                 defaults["use_feedback"],
@@ -459,6 +461,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         **PRIVATE,
     )
     review_tab.connect(review, train, session, form["source_prefix"])
+    train_objective.connect(objective, preference_counts, train.feedback_store)
     gr.on(
         [form[name].change for name in preflight.FIELDS],
         lambda *values: handlers.preflight_markdown(train, dict(zip(preflight.FIELDS, values, strict=True))),

@@ -204,10 +204,15 @@ def _data_file(value: str, what: str) -> str:
 
 
 def _feedback(cfg: TrainConfig) -> dict:
-    """The feedback files checked and resolved like any data file, and only under the data root,
-    where the app's exports (finetune.feedback) and uploads live."""
+    """The feedback and preference files checked and resolved like any data file, and only under
+    the data root, where the app's exports (finetune.feedback) and uploads live."""
     changes = {}
-    for name, what in (("feedback_file", "feedback file"), ("feedback_validation_file", "feedback held-out file")):
+    for name, what in (
+        ("feedback_file", "feedback file"),
+        ("feedback_validation_file", "feedback held-out file"),
+        ("preference_file", "preference file"),  # the review panel's export of accepted feedback
+        ("preference_validation_file", "preference held-out file"),
+    ):
         value = getattr(cfg, name)
         if value is None:
             continue
