@@ -316,6 +316,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             height=PLOT_HEIGHT,
             elem_id="train-bleu",
         )
+        pref = view.pref_plot(PLOT_HEIGHT)  # DPO / KTO runs: held-out preference accuracy
     log_tail = gr.Textbox(
         label="Log (newest lines at the bottom)",
         lines=view.LOG_LINES,
@@ -345,6 +346,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             push = gr.Button("Push to Hub", scale=1, elem_id="train-push", **locked)
     gr.HTML(CSS, elem_id="train-css", padding=False, js_on_load=PAGE_JS)
     timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
+    view.connect_pref(train, timer, pref)
     unlocked = [*(c for name, c in form.items() if name != "num_gpus" or train.gpus), train_file, val_file]
     unlocked += [start, stop, resume, push_repo, push_private, push_merged, push]
 
