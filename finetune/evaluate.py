@@ -171,6 +171,7 @@ def evaluate_all(accelerator, model, loaders, tokenizer, cfg, zero3=False, shoul
 
 
 def scores(results: dict) -> dict:
-    """The figures of an evaluation beyond eval_bleu / eval_loss: per kind and held-out feedback
-    (the keys metrics.jsonl, all_results.json and the model card carry beside eval_bleu)."""
-    return {k: v for k, v in results.items() if k.startswith(("eval_bleu_", "eval_rows_", "eval_loss_"))}
+    """The figures of an evaluation beyond eval_bleu / eval_loss: per kind, held-out feedback and
+    held-out preference rows (eval_pref_*: finetune.preference_train) (the keys metrics.jsonl,
+    all_results.json and the model card carry beside eval_bleu)."""
+    return {k: v for k, v in results.items() if k.startswith(("eval_bleu_", "eval_rows_", "eval_loss_", "eval_pref_"))}

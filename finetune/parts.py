@@ -1,6 +1,6 @@
 """The pieces the training recipe (``finetune/train.py``) puts together: the accelerator, the
 output-dir check, the data loaders, the step plan, optimizer and schedule, the loop's loss
-window, the profiler, stop requests and the final save. Each is small and does one thing; the
+window and its ``log`` event, the profiler, stop requests and the final save. Each is small and does one thing; the
 recipe reads as their order.
 """
 
@@ -269,10 +269,11 @@ def check_output_dir(cfg: TrainConfig) -> None:
 
 
 def make_loaders(
-    accelerator, data, tokenizer, cfg: TrainConfig, model_config
+    accelerator, data, tokenizer, cfg: TrainConfig, model_config, prefs=None
 ) -> tuple[DataLoader, DataLoader, DataLoader | None]:
     """Train, validation and (when the data has the split) held-out feedback loaders; training
-    batches packed when ``cfg.packs`` (evaluation generates from plain padded batches)."""
+    batches packed when ``cfg.packs`` (evaluation generates from plain padded batches), or the
+    preference rows' batches of ``prefs`` (finetune.preference_train.Preferences)."""
     pad_multiple = 8 if accelerator.mixed_precision != "no" else None
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple)
     train_collator = collator
@@ -297,13 +298,16 @@ def make_loaders(
         order = {"sampler": LengthGroupedSampler(row_lengths(data["train"]), group, cfg.seed)}
     else:
         order = {"shuffle": True}
-    train_dl = DataLoader(
-        data["train"],
-        batch_size=cfg.per_device_train_batch_size,
-        **order,
-        **{**loader_kwargs, "collate_fn": train_collator},
-        generator=torch.Generator().manual_seed(cfg.seed),
-    )
+    if prefs:
+        train_dl = prefs.train_loader(cfg, **loader_kwargs)
+    else:
+        train_dl = DataLoader(
+            data["train"],
+            batch_size=cfg.per_device_train_batch_size,
+            **order,
+            **{**loader_kwargs, "collate_fn": train_collator},
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
     eval_dl, feedback_dl = (
         DataLoader(
             data[split],
@@ -389,6 +393,43 @@ def start_profiler(folder: str):
     )
     profiler.start()
     return profiler
+
+
+# --------------------------------------------------------------------------- the loop's pieces
+
+
+def log_window(run, epoch: int, partial: bool = False) -> None:
+    """The ``log`` event: mean loss over all processes since the last one, learning rate, speed
+    (since the last log of this attempt). ``partial``: the loss window stays open (the event
+    says so), and only the speed is measured afresh."""
+    acc, window, step = run.accelerator, run.window, run.completed
+    loss_sum, count = acc.reduce(window.sums, "sum").tolist()
+    elapsed = time.perf_counter() - window.start
+    entry = {
+        "step": step,
+        "epoch": round(epoch + (step - epoch * run.steps_per_epoch) / run.steps_per_epoch, 4),
+        "loss": loss_sum / max(count, 1),
+        "lr": run.scheduler.get_last_lr()[0],
+        "samples_per_second": window.samples / elapsed,
+    }
+    if torch.cuda.is_available():
+        entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        entry["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    run.metrics.write("log", **entry, **({"partial": True} if partial else {}))
+    run.progress.set_postfix(loss=f"{entry['loss']:.4f}")
+    if run.progress.disable:
+        log.info(
+            f"step {step} / {run.total_steps}: loss {entry['loss']:.4f}{' so far' if partial else ''}, "
+            f"lr {entry['lr']:.3g}, {entry['samples_per_second']:.1f} samples/s"
+        )
+    if run.cfg.with_tracking and not partial:  # a tracker's curve has the points metrics.jsonl's has
+        acc.log(
+            {"train_loss": entry["loss"], "lr": entry["lr"], "samples_per_second": entry["samples_per_second"]},
+            step=step,
+        )
+    if not partial:
+        window.sums.zero_()
+    window.start, window.samples = time.perf_counter(), 0
 
 
 class StopRequest:

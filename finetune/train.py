@@ -12,6 +12,9 @@ on one process, ``python -m finetune ...``. ``train()`` is one straight path of 
   one checkpoint per step, also when a checkpoint step ends an epoch);
 - ``finish``: the final model, all_results.json, the ``done`` event, the Hub push if asked.
 
+With ``--objective dpo|kto`` the same path trains on preference rows: ``finetune/preference_train.py``
+holds what differs (its loaders, reference log-probabilities, loss and evaluation: ``run.prefs``).
+
 The pieces it puts together are in ``finetune/parts.py``. ``python -m finetune`` runs it through
 ``finetune/cli.py``, which turns every failure that ends a run into one ``error`` event in
 metrics.jsonl (``cli.error_event`` lists its fields).
@@ -41,7 +44,7 @@ from transformers import AutoConfig
 from chat.layout import RESULTS_FILE
 from chat.model import configure_attention, load_model, load_tokenizer, resolve
 from finetune import checkpoint as ckpt
-from finetune import lora, packing
+from finetune import lora, packing, preference_train
 from finetune.config import TrainConfig
 from finetune.data import load_raw, tokenize
 from finetune.evaluate import evaluate_all, scores
@@ -55,6 +58,7 @@ from finetune.parts import (
     check_output_dir,
     connecting_phase,
     is_rank0,
+    log_window,
     make_accelerator,
     make_loaders,
     make_optimizer,
@@ -98,6 +102,7 @@ class Run:
     epochs: int
     zero_stage: int | None
     metrics: ckpt.MetricsWriter
+    prefs: preference_train.Preferences | None = None  # --objective dpo|kto; None for sft
     completed: int = 0  # optimizer steps done (a resumed run starts at its checkpoint's)
     epoch: int = 0  # the epoch being trained; a checkpoint records it with `completed`
     resumed_at: int = 0
@@ -167,6 +172,7 @@ def setup(cfg: TrainConfig) -> Run:
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     phase("loading data")
     raw = load_raw(cfg)
+    prefs = preference_train.load(cfg, tokenizer)  # the preference rows (None for sft)
     phase(connecting_phase())  # waits for every rank to get here (and, the first time, a DeepSpeed op build)
     accelerator = make_accelerator(cfg)
     if not accelerator.is_local_main_process:
@@ -186,15 +192,19 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.adapter == "lora":
         model = lora.wrap(model, cfg, source)  # the base frozen; only the LoRA pairs train
     cfg.per_device_train_batch_size = resolve_batch(cfg, accelerator, model)  # 'auto': the largest that fits
-    train_dl, eval_dl, feedback_dl = make_loaders(accelerator, data, tokenizer, cfg, model.config)
+    train_dl, eval_dl, feedback_dl = make_loaders(accelerator, data, tokenizer, cfg, model.config, prefs)
     if cfg.packs:
         packing.install(model)  # hooks that apply packed batches' masks and positions
-    steps_per_epoch, total_steps, epochs = plan_steps(len(data["train"]), accelerator, cfg)
+    train_rows = len(prefs.train if prefs else data["train"])
+    steps_per_epoch, total_steps, epochs = plan_steps(train_rows, accelerator, cfg)
     optimizer, scheduler = make_optimizer(accelerator, model, cfg, total_steps)
     phase(preparing_phase(accelerator))
     model, optimizer, train_dl, eval_dl, scheduler, *held = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, scheduler, *[dl for dl in (feedback_dl,) if dl is not None]
     )
+    if prefs:  # the reference: the model as the run starts (before a checkpoint is restored)
+        phase("computing the reference log-probabilities")
+        prefs.prepare(accelerator, model, cfg)
     ds = accelerator.state.deepspeed_plugin
     run = Run(
         cfg,
@@ -206,18 +216,21 @@ def setup(cfg: TrainConfig) -> Run:
         train_dl,
         eval_dl,
         held[0] if held else None,
-        train_samples=len(data["train"]),
+        train_samples=train_rows,
         eval_samples=len(data["validation"]),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         epochs=epochs,
         zero_stage=ds.deepspeed_config["zero_optimization"]["stage"] if ds else None,
         metrics=ckpt.MetricsWriter(cfg.output_dir, enabled=accelerator.is_main_process),
+        prefs=prefs,
     )
     if resume_from:
         phase("restoring a checkpoint")
         restore(run, resume_from)
     begin(run)
+    if prefs and not resume_from:  # BLEU and preference accuracy before the first step
+        preference_train.start_evaluation(run)
     return run
 
 
@@ -232,6 +245,8 @@ def restore(run: Run, path: Path) -> None:
     run.epoch, done_in_epoch = divmod(run.completed, run.steps_per_epoch)
     run.skip_batches = done_in_epoch * run.cfg.gradient_accumulation_steps
     run.carried = ckpt.saved_window(state)
+    if run.prefs:
+        run.prefs.restored(state)
     log.info(f"resuming from {path} at step {run.completed}")
     if run.carried is None:
         log.info(f"{path} saved no loss window (an older version's): the loss curve starts a new one at the resume")
@@ -312,7 +327,7 @@ def forward_backward(run: Run, batch) -> torch.Tensor:
     cfg, acc = run.cfg, run.accelerator
     with acc.accumulate(run.model), packing.packed(batch) as inputs:
         try:
-            loss = run.model(**inputs).loss
+            loss = run.prefs.loss(run.model, inputs) if run.prefs else run.model(**inputs).loss
             acc.backward(loss)
             run.optimizer.step()
             run.scheduler.step()
@@ -369,40 +384,6 @@ def check(run: Run, epoch: int) -> bool:
     return False
 
 
-def log_window(run: Run, epoch: int, partial: bool = False) -> None:
-    """The ``log`` event: mean loss over all processes since the last one, learning rate, speed
-    (since the last log of this attempt). ``partial``: the loss window stays open (the event
-    says so), and only the speed is measured afresh."""
-    acc, window, step = run.accelerator, run.window, run.completed
-    loss_sum, count = acc.reduce(window.sums, "sum").tolist()
-    elapsed = time.perf_counter() - window.start
-    entry = {
-        "step": step,
-        "epoch": round(epoch + (step - epoch * run.steps_per_epoch) / run.steps_per_epoch, 4),
-        "loss": loss_sum / max(count, 1),
-        "lr": run.scheduler.get_last_lr()[0],
-        "samples_per_second": window.samples / elapsed,
-    }
-    if torch.cuda.is_available():
-        entry["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        entry["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    run.metrics.write("log", **entry, **({"partial": True} if partial else {}))
-    run.progress.set_postfix(loss=f"{entry['loss']:.4f}")
-    if run.progress.disable:
-        log.info(
-            f"step {step} / {run.total_steps}: loss {entry['loss']:.4f}{' so far' if partial else ''}, "
-            f"lr {entry['lr']:.3g}, {entry['samples_per_second']:.1f} samples/s"
-        )
-    if run.cfg.with_tracking and not partial:  # a tracker's curve has the points metrics.jsonl's has
-        acc.log(
-            {"train_loss": entry["loss"], "lr": entry["lr"], "samples_per_second": entry["samples_per_second"]},
-            step=step,
-        )
-    if not partial:
-        window.sums.zero_()
-    window.start, window.samples = time.perf_counter(), 0
-
-
 def checkpoint(run: Run) -> None:
     """Save the training state at this step, once: a checkpoint step can also end an epoch."""
     if run.saved_at == run.completed:
@@ -411,6 +392,7 @@ def checkpoint(run: Run) -> None:
     loss_sum, count = run.accelerator.reduce(run.window.sums, "sum").tolist()
     state = {"completed_steps": run.completed, "epoch": run.epoch, ckpt.WINDOW: {"loss_sum": loss_sum, "count": count}}
     state.update(lora.checkpoint_state(run.accelerator.unwrap_model(run.model)))  # (a LoRA run's base)
+    state.update(run.prefs.state() if run.prefs else {})  # (a preference run's start figures)
     kwargs = lora.save_kwargs(run.cfg, run.zero_stage)  # a LoRA checkpoint leaves the frozen base out
     path = ckpt.save_checkpoint(run.accelerator, run.cfg.output_dir, state, run.cfg.checkpoints_total_limit, **kwargs)
     run.saved_at = run.completed
@@ -433,6 +415,8 @@ def evaluate_epoch(run: Run, epoch: int) -> bool:
     if results is None:  # stop requested mid-evaluation: keep the trained steps, skip this eval
         stop_here(run, f"stop requested during evaluation: saved a checkpoint at step {run.completed}")
         return True
+    if run.prefs:
+        results.update(run.prefs.evaluate(acc, run.model))  # eval_pref_accuracy, eval_pref_margin
     run.results = results
     run.eval_times.append(results["eval_seconds"])
     train_seconds = run.epoch_times[-1]
@@ -449,7 +433,7 @@ def evaluate_epoch(run: Run, epoch: int) -> bool:
     }
     run.metrics.write("eval", step=run.completed, epoch=epoch, **figures, samples=results["samples"][:20])
     log.info(
-        f"epoch {epoch}: BLEU {results['eval_bleu']:.2f}, eval loss {results['eval_loss']:.4f}, "
+        f"epoch {epoch}: {preference_train.describe(figures)}, eval loss {results['eval_loss']:.4f}, "
         f"train {train_seconds:.1f}s, eval {results['eval_seconds']:.1f}s"
     )
     if cfg.with_tracking:
@@ -480,6 +464,7 @@ def finish(run: Run) -> dict:
         "eval_epoch_seconds": run.eval_times,
         "num_processes": acc.num_processes,
         "zero_stage": run.zero_stage,
+        **(run.prefs.summary(results) if run.prefs else {}),
     }
     final = save_final(acc, run.model, run.tokenizer, cfg, summary) if cfg.save_model else None
     if run.main:
