@@ -7,11 +7,12 @@ the chosen replies on held-out rows it was not trained on: the run's eval_pref_a
 in the run line, its plot and the model picker, above the demo model's on the same rows.
 
 The visitor's handful of rows are too few to hold any out, so the store also holds the trainer's
-own earlier corrections, made the way a correction is (issue 27's "Done when"): a row of the
-shipped sample's validation split, chosen = the dataset's reply, rejected = the demo model's own
-reply, as the chat gives it. Nothing is mocked: the replies come from the models, the rows from
-SQLite, the run is a real ``accelerate launch`` on the CPU. Screenshots go to
-``$PERSONA_CHAT_SCREENSHOTS`` if set (else a pytest temporary folder, printed at the end).
+own earlier corrections, made the way a correction is (issue 27's "Done when"): the shipped sample
+preference set (data/sample/preferences-validation.jsonl, finetune.sample_preferences: a sample
+conversation, chosen = the dataset's reply, rejected = the demo model's own greedy reply).
+Nothing is mocked: the replies come from the models, the rows from SQLite, the run is a real
+``accelerate launch`` on the CPU. Screenshots go to ``$PERSONA_CHAT_SCREENSHOTS`` if set (else a
+pytest temporary folder, printed at the end).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from browser import CHROMIUM, expect, needs_browser, screenshot_folder, shout, s
 from served_app import serve
 from test_browser_loop import bot_messages, correct_last_reply, fill, send
 
-from chat.engine import DEMO_DIR, Conversation, load_checkpoint
+from chat.engine import DEMO_DIR, load_checkpoint
 from chat.layout import SAMPLE_DIR
 from chat.prompt import _CONTEXT_TEMPLATE, kind_of, split_source
 from finetune.feedback_preferences import preference_rows
@@ -37,9 +38,13 @@ from finetune.preference_data import HOLDOUT_EVERY
 pytestmark = needs_browser
 
 PASSWORD = "browser-preferences-password"
-TRAIN_TIMEOUT_S = 420  # a launch of 2 CPU processes, a few steps and two evaluations; shared cores
-SEEDED = 36  # the trainer's earlier corrections: with the visitor's 3 pairs, 39 rows, 3 held out
-EPOCHS = 4
+TRAIN_TIMEOUT_S = 480  # a launch of 2 CPU processes, ~30 steps and five evaluations; shared cores
+SEEDED = 56  # the trainer's earlier corrections: with the visitor's 2 pairs, 58 rows, 5 held out
+# DPO settings that move the demo model on this little data in a few steps (python -m finetune on the
+# same 59 rows, one process, batch 8: held-out preference accuracy 0.0 at the start, 0.6 after one
+# epoch, 0.8 after four); BLEU falls ~6 points, which the run flags.
+FORM = {"train-epochs": 4, "train-beta": 0.5, "train-sft-weight": 1, "train-n-train": 16, "train-n-val": 8}
+LEARNING_RATE, BATCH = "1e-3", 4  # 4 per process x 2 processes: 8 rows a step
 CORRECTION = "I am Chat-E, a lighthouse keeper who collects blue seashells."
 
 
@@ -52,21 +57,17 @@ def structured(texts: str) -> tuple[str, str, list[str]]:
 
 
 def seed_corrections(served) -> int:
-    """The trainer's earlier corrections of the demo model, accepted: sample validation rows where
-    the served demo model's reply (the chat's own) differs from the dataset's."""
-    store, added = served.tab.feedback_store(), 0
-    for line in (SAMPLE_DIR / "validation.jsonl").read_text().splitlines():
+    """The trainer's earlier corrections of the demo model, accepted: the sample preference set's
+    first SEEDED pairs as correction rows (the correction = chosen, the bot's reply = rejected)."""
+    store = served.tab.feedback_store()
+    lines = (SAMPLE_DIR / "preferences-validation.jsonl").read_text().splitlines()[:SEEDED]
+    for line in lines:
         row = json.loads(line)
         kind, context, turns = structured(row["texts"])
-        reply, _ = served.engine.reply(Conversation(kind, context, turns[:-1]), turns[-1])
-        if reply.strip() and reply.strip() != row["labels"].strip():
-            conversation = {"kind": kind, "context": context, "turns": turns, "model": str(DEMO_DIR)}
-            store.add(**conversation, response=row["labels"], original=reply, rating="correction",
-                      visitor="trainer:earlier", status="accepted")  # fmt: skip
-            added += 1
-        if added == SEEDED:
-            return added
-    raise AssertionError(f"only {added} sample rows where the demo model's reply differs")
+        conversation = {"kind": kind, "context": context, "turns": turns, "model": str(DEMO_DIR)}
+        store.add(**conversation, response=row["chosen"], original=row["rejected"], rating="correction",
+                  visitor="trainer:earlier", status="accepted")  # fmt: skip
+    return len(lines)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def page(served, shots):
 def rate_last_reply(page, name: str) -> None:
     bot_messages(page).last.hover()
     page.locator("#chat-log").get_by_role("button", name=name).last.click()
-    expect(page.locator("#feedback-note")).to_contain_text(f"{name} saved for review")
+    expect(page.locator("#feedback-note")).to_contain_text(f"{name.lower()} saved for review")
 
 
 def compare_and_vote(page, message: str, button: str) -> list[str]:
@@ -145,6 +146,7 @@ def test_like_dislike_correct_vote_accept_train_dpo_and_the_model_prefers_the_ch
     started = time.perf_counter()
     store = served.tab.feedback_store()
     seeded = seed_corrections(served)
+    shout(request, f"{seeded} earlier corrections seeded after {time.perf_counter() - started:.0f} s")
 
     # ---- 1. an anonymous visitor rates three replies and corrects one in the chat
     send(page, "hi! who are you?")
@@ -185,7 +187,7 @@ def test_like_dislike_correct_vote_accept_train_dpo_and_the_model_prefers_the_ch
     assert [(r["response"], r["label"]) for r in preference_rows(store, "kto")][-1] == (disliked, False)
 
     # ---- 4. DPO from the demo model on the accepted feedback
-    page.locator("#train-objective").get_by_text("DPO").click()
+    page.locator("#train-objective").get_by_text("DPO: chosen over rejected").click()
     counts = page.locator("#train-pref-counts")
     expect(counts).to_contain_text(f"{seeded + 1} pairs from corrections · 1 pairs from Compare votes · 2 KTO rows")
     held = len(pairs) // HOLDOUT_EVERY
@@ -193,13 +195,21 @@ def test_like_dislike_correct_vote_accept_train_dpo_and_the_model_prefers_the_ch
     page.locator("#train-model input").click()
     page.get_by_role("option", name=re.compile(r"^demo model")).click()
     page.locator("#train-more").get_by_text("More settings").click()
-    for elem_id, value in (("train-n-train", 16), ("train-n-val", 8), ("train-epochs", EPOCHS)):
+    for elem_id, value in FORM.items():
         fill(page, elem_id, value)
+    page.get_by_label("Learning rate", exact=True).fill(LEARNING_RATE)
+    page.locator("#train-batch textarea, #train-batch input").first.fill(str(BATCH))
     fill(page, "train-logging", 1)
     fill(page, "train-beams", 1)
     page.locator("#train-show-command").click()
     command = page.locator("#train-command")
-    for flag in ("--objective dpo", "--beta 0.1", "--sft_weight 0.0", "--model_name_or_path chat/demo_model"):
+    for flag in (
+        "--objective dpo",
+        "--beta 0.5",
+        "--sft_weight 1.0",
+        "--learning_rate 0.001",
+        "--model_name_or_path chat/demo_model",
+    ):
         expect(command).to_contain_text(flag)
     expect(command).to_contain_text(
         re.compile(r"--preference_file \S*/feedback/exports/preferences-dpo-\w+/dpo\.jsonl")
