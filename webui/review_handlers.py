@@ -66,11 +66,11 @@ def age(seconds: float) -> str:
 
 
 def _vote_cells(vote: VoteRow, now: float) -> list:
-    """A vote in the table: its replies as "✔ winner / ✘ loser", its models as "A vs B"."""
-    models = f"{model_label(vote.model_a)} vs {model_label(vote.model_b)}"
+    """A vote in the table: its replies as "✔ winner / ✘ loser", its models as "winner vs loser"."""
+    models = " vs ".join(model_label(m) for m in _winner_first(vote))
     return [
         f"{VOTE_PREFIX}{vote.id}",
-        f"{RATING_ICONS['vote']} ({vote.winner.upper()} won)",
+        RATING_ICONS["vote"],
         vote.kind,
         _short(vote.context, 40),
         _short(vote.turns[-1] if vote.turns else ""),
@@ -145,17 +145,21 @@ def details(tab: TrainTab, token: str | None, profile, row_id, source_prefix: st
         return row.id, "\n\n".join(lines), row.response
 
 
+def _winner_first(vote: VoteRow) -> tuple[str, str]:
+    return (vote.model_a, vote.model_b) if vote.winner == "a" else (vote.model_b, vote.model_a)
+
+
 def _vote_details(vote: VoteRow, source_prefix: str | None) -> tuple[str, str, str]:
     """A selected vote: (its id, its encoder text and both replies, the chosen reply)."""
     text = encoder_text(vote, source_prefix if source_prefix is not None else "chatbot: ")  # (duck-typed)
+    winner, loser = _winner_first(vote)
     lines = [
-        f"**Vote {VOTE_PREFIX}{vote.id}** · {RATING_ICONS['vote']} · {vote.status} · "
-        f"`{model_label(vote.model_a)}` (A) vs `{model_label(vote.model_b)}` (B)",
+        f"**Vote {VOTE_PREFIX}{vote.id}** · {RATING_ICONS['vote']} · {vote.status}",
         "The encoder reads (with the form's source prefix):",
         f"```text\n{text}\n```",
-        f"Chosen ({vote.winner.upper()}'s reply, the winner):",
+        f"Chosen: the winner's reply (`{model_label(winner)}`):",
         f"```text\n{vote.chosen}\n```",
-        "Rejected (the other reply):",
+        f"Rejected: the other reply (`{model_label(loser)}`):",
         f"```text\n{vote.rejected}\n```",
         "Accepted, it trains DPO as this pair (a vote's replies are what the models said: no edit).",
     ]

@@ -84,8 +84,8 @@ def connect(fields: Mapping, counts: gr.Markdown, store: Callable[[], FeedbackSt
 def counts_line(counts: PreferenceCounts, objective: str) -> str:
     """What the accepted feedback gives each objective, and whether ``objective`` has enough."""
     line = (
-        f"Preference rows from the accepted feedback: **{counts.corrections}** pairs from corrections · "
-        f"**{counts.votes}** pairs from Compare votes · **{counts.kto}** KTO rows from 👍/👎 "
+        f"Preference rows from the accepted feedback: {_many(counts.corrections, 'pair')} from corrections · "
+        f"{_many(counts.votes, 'pair')} from Compare votes · {_many(counts.kto, 'KTO row')} from 👍/👎 "
         f"({counts.likes} 👍, {counts.dislikes} 👎)."
     )
     problem = too_few(counts, objective)
@@ -97,6 +97,10 @@ def counts_line(counts: PreferenceCounts, objective: str) -> str:
     if held:
         return line + f" and measures preference accuracy on {held} held out (every {HOLDOUT_EVERY}th)."
     return line + f" (under {HOLDOUT_EVERY} rows none are held out, so no preference accuracy is measured)."
+
+
+def _many(n: int, what: str) -> str:
+    return f"**{n}** {what}{'' if n == 1 else 's'}"
 
 
 def too_few(counts: PreferenceCounts, objective: str) -> str | None:

@@ -177,7 +177,7 @@ def test_like_dislike_correct_vote_accept_train_dpo_and_the_model_prefers_the_ch
     expect(page.locator("#review-counts")).to_contain_text("Compare votes: 1 pending")
     page.locator("#review-rows [role=gridcell][data-row='0'][data-col='1']").click()  # newest first: the vote
     expect(page.locator("#review-detail")).to_contain_text(f"Vote v{vote.id}")
-    expect(page.locator("#review-detail")).to_contain_text("Chosen (A's reply, the winner)")
+    expect(page.locator("#review-detail")).to_contain_text("Chosen: the winner's reply (demo model (tiny, bundled))")
     page.shot("3-review-vote")
     page.locator("#review-accept-all").click()
     expect(page.locator("#review-note")).to_contain_text("3 pending rows and 1 Compare vote accepted.")
@@ -189,7 +189,7 @@ def test_like_dislike_correct_vote_accept_train_dpo_and_the_model_prefers_the_ch
     # ---- 4. DPO from the demo model on the accepted feedback
     page.locator("#train-objective").get_by_text("DPO: chosen over rejected").click()
     counts = page.locator("#train-pref-counts")
-    expect(counts).to_contain_text(f"{seeded + 1} pairs from corrections · 1 pairs from Compare votes · 2 KTO rows")
+    expect(counts).to_contain_text(f"{seeded + 1} pairs from corrections · 1 pair from Compare votes · 2 KTO rows")
     held = len(pairs) // HOLDOUT_EVERY
     expect(counts).to_contain_text(f"DPO trains on {len(pairs) - held} and measures preference accuracy on {held}")
     page.locator("#train-model input").click()
@@ -203,13 +203,7 @@ def test_like_dislike_correct_vote_accept_train_dpo_and_the_model_prefers_the_ch
     fill(page, "train-beams", 1)
     page.locator("#train-show-command").click()
     command = page.locator("#train-command")
-    for flag in (
-        "--objective dpo",
-        "--beta 0.5",
-        "--sft_weight 1.0",
-        "--learning_rate 0.001",
-        "--model_name_or_path chat/demo_model",
-    ):
+    for flag in ("--objective dpo", "--beta 0.5", "--sft_weight 1.0", "--model_name_or_path chat/demo_model"):
         expect(command).to_contain_text(flag)
     expect(command).to_contain_text(
         re.compile(r"--preference_file \S*/feedback/exports/preferences-dpo-\w+/dpo\.jsonl")
@@ -224,6 +218,8 @@ def test_like_dislike_correct_vote_accept_train_dpo_and_the_model_prefers_the_ch
         assert time.monotonic() < deadline, f"no result in time:\n{text}"
         time.sleep(1)
     final = served.tab.manager.status(run_id).final_dir
+    argv = json.loads((served.runs / run_id / "run.json").read_text())["argv"]  # what Start ran: Show command's
+    assert [argv[argv.index(f) + 1] for f in ("--learning_rate", "--per_device_train_batch_size")] == ["0.001", "4"]
     shout(request, f"DPO run {run_id} finished after {time.perf_counter() - started:.0f} s")
 
     # ---- 5. the new model prefers the chosen replies on the held-out rows

@@ -64,12 +64,13 @@ def test_votes_wait_in_the_review_table_beside_the_rows_and_only_a_trainer_sees_
     assert "Compare votes: 1 pending, 0 accepted, 0 rejected" in counts and frame.empty  # a visitor: no rows
     _, _, frame = review_handlers.refresh(tab, token, None, "pending")
     assert frame["id"].tolist() == [f"v{vid}", row]  # newest first, the vote named apart
-    assert frame["rating"].tolist()[0] == "⚖️ vote (B won)"
+    assert frame["rating"].tolist()[0] == "⚖️ vote"
     assert frame["response"].tolist()[0] == "✔ jazz and blues. / ✘ no."
+    assert frame["model"].tolist()[0] == "m2 vs m1"  # the winner first
 
     shown, detail, response = review_handlers.details(tab, token, None, f"v{vid}", "chatbot: ")
     assert shown == f"v{vid}" and response == "jazz and blues."
-    assert "chatbot: " in detail and "Chosen (B's reply, the winner)" in detail and "no." in detail
+    assert "chatbot: " in detail and "Chosen: the winner's reply (`m2`)" in detail and "no." in detail
     with pytest.raises(gr.Error, match="accept or reject the vote"):
         review_handlers.save_edit(tab, token, None, f"v{vid}", "something else")
     with pytest.raises(gr.Error, match="log"):
@@ -121,7 +122,7 @@ def test_the_objectives_line_counts_each_kind_and_says_what_is_too_few(tab):
     rate(tab, "like", "jazz!", status="accepted", i=1)
     counts = train_objective.preference_counts(tab.feedback_store())
     line = train_objective.counts_line(counts, "dpo")
-    assert "**1** pairs from corrections · **0** pairs from Compare votes · **1** KTO rows" in line
+    assert "**1** pair from corrections · **0** pairs from Compare votes · **1** KTO row from" in line
     assert "⚠️ DPO needs at least 2 preference pairs" in line and "there is 1" in line
     tab.feedback_store().set_vote_status([vote(tab)], "accepted")
     line = train_objective.counts_line(train_objective.preference_counts(tab.feedback_store()), "dpo")
