@@ -20,6 +20,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from chat.layout import is_hub_id
 from chat.prompt import KINDS
 from finetune.evaluate import OTHER_KIND
+from finetune.preference import BLEU_DROP_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def write_model_card(folder: Path, cfg, results: dict, world_size: int, adapter_
 - Data: `{cfg.train_file or cfg.dataset_name}` ({results.get("train_samples", "?")} training rows)
 - Evaluation: sacreBLEU {bleu if bleu is None else round(bleu, 2)} on {results.get("eval_samples", "?")} validation rows
   (beams {cfg.num_beams}, min length {cfg.val_min_target_length}, max length {cfg.val_max_target_length})
-{_feedback_lines(cfg, results)}- Hardware: {hardware()}, {world_size} process(es)
+{_feedback_lines(cfg, results)}{_preference_lines(cfg, results)}- Hardware: {hardware()}, {world_size} process(es)
 - Input format: `{cfg.source_prefix}` + the MuDoConv source (see `training_args.json`)
 
 {_kind_table(results)}Trained with:
@@ -104,6 +105,29 @@ def _feedback_lines(cfg, results: dict) -> str:
             f"{_round(results.get('eval_loss_feedback'))} on {results.get('eval_rows_feedback', '?')} rows "
             f"(`{Path(cfg.feedback_validation_file).name}`)\n"
         )
+    return lines
+
+
+def _preference_lines(cfg, results: dict) -> str:
+    """The card's lines about preference tuning (finetune.preference_train): the objective, the
+    held-out preference figures against the start's, and a BLEU that fell from its start."""
+    if getattr(cfg, "objective", "sft") == "sft":
+        return ""
+    extra = f", SFT weight {cfg.sft_weight}" if cfg.sft_weight else ""
+    lines = (
+        f"- Objective: {cfg.objective.upper()} (beta {cfg.beta}{extra}) on {results.get('preference_rows', '?')} "
+        f"preference rows (`{Path(cfg.preference_file).name}`)\n"
+    )
+    if "eval_pref_accuracy" in results:
+        lines += (
+            f"- Held-out preferences: accuracy {_round(results['eval_pref_accuracy'])} "
+            f"(start {_round(results.get('start_eval_pref_accuracy'))}), log-probability margin "
+            f"{_round(results.get('eval_pref_margin'))} (start {_round(results.get('start_eval_pref_margin'))}) on "
+            f"{results.get('eval_pref_rows', '?')} rows\n"
+        )
+    if "start_eval_bleu" in results:
+        flag = f" **(fell more than {BLEU_DROP_LIMIT:g} points: flagged)**" if results.get("bleu_drop_flag") else ""
+        lines += f"- sacreBLEU at the start: {_round(results['start_eval_bleu'])}{flag}\n"
     return lines
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 OBJECTIVES = ("sft", "dpo", "kto")
 IGNORE = -100  # label padding (finetune.data tokenizes labels so)
+BLEU_DROP_LIMIT = 2.0  # a preference run whose BLEU falls more than this below its start is flagged
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -70,14 +70,16 @@ def validate(ds: Dataset, where: str, objective: str) -> Dataset:
     if found is None:
         raise DataError(
             f"{where}: expected preference rows: 'chosen' and 'rejected' (DPO) or 'response' and 'label' (KTO), "
-            f"with 'texts' or 'kind', 'context', 'turns'; found {', '.join(sorted(columns)) or 'none'}"
+            f"with 'texts' or 'kind', 'context', 'turns'; found {', '.join(sorted(columns)) or 'none'}",
+            file=where,
         )
     if found != objective:
         raise DataError(
-            f"{where}: the rows are {found.upper()} rows ({', '.join(SHAPES[found])}): use --objective {found}"
+            f"{where}: the rows are {found.upper()} rows ({', '.join(SHAPES[found])}): use --objective {found}",
+            file=where,
         )
     if not any(set(form) <= columns for form in SOURCE_COLUMNS):
-        raise DataError(f"{where}: each row needs its source: 'texts', or 'kind', 'context' and 'turns'")
+        raise DataError(f"{where}: each row needs its source: 'texts', or 'kind', 'context' and 'turns'", file=where)
     first, second = SHAPES[objective]
     out = {"texts": [], first: [], second: []}
     for i, row in enumerate(ds):

@@ -8,11 +8,11 @@ differently when the run learns from preference rows instead of target replies.
 - ``Preferences.train_loader``: the train loader yields preference batches (not packed: each
   row's two replies share one source, ``finetune.preference.reply_logps``).
 - ``Preferences.prepare``: right after ``accelerator.prepare``, before a checkpoint is restored,
-  every row's reply log-probabilities under the model as it starts are computed once, sharded
-  over the processes, and kept as the rows' reference columns (``ref_chosen``/``ref_rejected``,
-  ``ref_logps``/``ref_kl``). The run needs no second copy of the model, a resumed run computes
-  the same values from the same starting model, and for a fresh LoRA adapter (its B at zero)
-  they are the base's, the adapter switched off.
+  dropout is turned off (``disable_dropout``) and every row's reply log-probabilities under the
+  model as it starts are computed once, sharded over the processes, and kept as the rows'
+  reference columns (``ref_chosen``/``ref_rejected``, ``ref_logps``/``ref_kl``). The run needs no
+  second copy of the model, a resumed run computes the same values from the same starting model,
+  and for a fresh LoRA adapter (its B at zero) they are the base's, the adapter switched off.
 - ``Preferences.loss``: ``finetune.preference.preference_loss`` on a batch.
 - ``Preferences.evaluate``: on the held-out rows, ``eval_pref_accuracy`` (DPO: share of pairs
   where the model gives the chosen reply the higher log-probability; KTO: share of rows whose
@@ -33,14 +33,12 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
-from finetune.data import DataError
 from finetune.evaluate import evaluate_all, scores
-from finetune.preference import REFERENCE, PreferenceCollator, preference_loss, reply_logps
+from finetune.preference import BLEU_DROP_LIMIT, REFERENCE, PreferenceCollator, preference_loss, reply_logps
 from finetune.preference_data import load_preferences, tokenize
 
 log = logging.getLogger(__name__)
 
-BLEU_DROP_LIMIT = 2.0  # BLEU points below the start evaluation's that flag a run
 STATE_KEY = "preference_start"  # the start evaluation's figures, in a checkpoint's trainer_state.json
 
 
@@ -92,8 +90,9 @@ class Preferences:
         )
 
     def prepare(self, accelerator, model, cfg) -> None:
-        """Shard the reference and held-out loaders and fill both tables' reference columns from
-        ``model`` as it is now (call before restoring a checkpoint)."""
+        """Turn the model's dropout off, shard the reference and held-out loaders and fill both
+        tables' reference columns from ``model`` as it is now (call before restoring a checkpoint)."""
+        disable_dropout(model)
         loaders = []
         for rows, collator in ((self.train, self.train_collator), (self.held, self.held_collator)):
             dl = DataLoader(
@@ -156,6 +155,20 @@ class Preferences:
         return out
 
 
+def disable_dropout(model) -> None:
+    """No dropout in a preference run (as TRL's DPO/KTO trainers do by default): the reference is
+    computed without it, and a policy with it would read every reply as less likely than the
+    reference does, a bias in each row's reward from the first step. BlenderBot's layers keep
+    their rates as float attributes; peft's LoRA dropout is an nn.Dropout. The saved config keeps
+    the model's own rates (for later SFT runs)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("dropout", "activation_dropout", "attention_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
 @torch.no_grad()
 def _fill_reference(accelerator, model, loader, objective: str, table: torch.Tensor) -> None:
     """Each row's two reply log-probabilities under ``model`` (eval mode: no dropout) into ``table``,
@@ -171,14 +184,10 @@ def _fill_reference(accelerator, model, loader, objective: str, table: torch.Ten
 
 def load(cfg, tokenizer) -> Preferences | None:
     """The run's preference rows, validated and tokenized (None for ``--objective sft``). A bad file
-    is a DataError naming it, the row and the problem."""
+    is a DataError naming it, the row and the problem (its ``file``: the error event's)."""
     if cfg.objective == "sft":
         return None
-    try:
-        train, held = load_preferences(cfg.preference_file, cfg.objective, cfg.preference_validation_file)
-    except DataError as err:
-        err.file = err.file or cfg.preference_file
-        raise
+    train, held = load_preferences(cfg.preference_file, cfg.objective, cfg.preference_validation_file)
     if not len(held):
         log.warning(
             f"{cfg.preference_file}: fewer than 10 rows and no --preference_validation_file: no held-out "

@@ -41,6 +41,7 @@ SLOW_MODULES = {
     "test_train.py",
     "test_checkpoints.py",
     "test_lora_training.py",  # LoRA adapters: ZeRO-2 on 2 processes, resume, merge, continue
+    "test_preference_training.py",  # DPO/KTO from the demo model: ZeRO-2 on 2 processes, LoRA, resume
     "test_faults.py",
     "test_write_failures.py",  # runs under a file-size limit and into a read-only folder
     "test_jobs_manager.py",
@@ -69,6 +70,7 @@ SLOW_TESTS = {
     "test_python_app_py_without_the_hub_serves_the_demo_model_at_once",  # two app start-ups
     "test_smoke_run_measures_both_recipes",  # a CPU benchmark run
     "test_smoke_run_measures_lora_against_full",  # bench.train_lora's CPU smoke run
+    "test_preference_bench_smoke",  # bench.train_preference's CPU smoke run (three CLI runs)
     "test_bench_smoke",
     "test_api_bench_smoke",  # starts python app.py
     "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chat.adapters import base_of, is_adapter_dir
-from chat.layout import is_hub_id
+from chat.layout import SAMPLE_DIR, is_hub_id
 from chat.model import MODEL_PRESETS
 from finetune.config import TrainConfig
 from finetune.jobs.paths import data_root, local_path
@@ -203,23 +203,30 @@ def _data_file(value: str, what: str) -> str:
     return str(path)
 
 
+# Files of the app's exports (finetune.feedback) and uploads: only under the data root; preference
+# files also from the shipped sample's preference set (data/sample/preferences-*.jsonl).
+EXPORTED_FILES = {
+    "feedback_file": ("feedback file", False),
+    "feedback_validation_file": ("feedback held-out file", False),
+    "preference_file": ("preference file", True),
+    "preference_validation_file": ("preference held-out file", True),
+}
+
+
 def _feedback(cfg: TrainConfig) -> dict:
     """The feedback and preference files checked and resolved like any data file, and only under
-    the data root, where the app's exports (finetune.feedback) and uploads live."""
+    the data root, where the app's exports (finetune.feedback) and uploads live (preference files
+    also the shipped sample's)."""
     changes = {}
-    for name, what in (
-        ("feedback_file", "feedback file"),
-        ("feedback_validation_file", "feedback held-out file"),
-        ("preference_file", "preference file"),  # the review panel's export of accepted feedback
-        ("preference_validation_file", "preference held-out file"),
-    ):
+    for name, (what, sample_too) in EXPORTED_FILES.items():
         value = getattr(cfg, name)
         if value is None:
             continue
-        path = _data_file(value.strip(), what)
-        if not Path(path).is_relative_to(data_root()):
+        path = Path(_data_file(value.strip(), what))
+        shipped = sample_too and path.parent == SAMPLE_DIR.resolve() and path.name.startswith("preferences-")
+        if not (path.is_relative_to(data_root()) or shipped):
             raise ValueError(f"{what} {value!r} must be in the data folder ({data_root()}): export or upload it")
-        changes[name] = path
+        changes[name] = str(path)
     return changes
 
 

@@ -204,6 +204,29 @@ def test_feedback_files_must_be_in_the_data_folder(roots, tmp_path):
         spec(feedback_validation_file=str(held))
 
 
+def test_preference_files_must_be_in_the_data_folder_or_the_shipped_sample(roots, tmp_path):
+    _, uploads = roots
+    (uploads / "feedback").mkdir()
+    pair = {"texts": "hi", "chosen": "hello!", "rejected": "go away."}
+    inside = write_jsonl(uploads / "feedback" / "preferences.jsonl", [pair] * 3)
+    made = spec(objective="dpo", preference_file=f" {inside} ")
+    assert made.config.preference_file == str(inside) and JobSpec.from_dict(made.to_dict()) == made
+    shipped = ROOT / "data/sample/preferences-train.jsonl", ROOT / "data/sample/preferences-validation.jsonl"
+    made = spec(objective="dpo", preference_file=str(shipped[0]), preference_validation_file=str(shipped[1]))
+    assert (made.config.preference_file, made.config.preference_validation_file) == tuple(map(str, shipped))
+    with pytest.raises(ValueError, match="preference held-out file .* must be in the data folder"):
+        spec(
+            objective="dpo",
+            preference_file=str(inside),
+            preference_validation_file=str(ROOT / "data/sample/train.jsonl"),
+        )
+    outside = write_jsonl(tmp_path / "elsewhere.jsonl", [pair])
+    with pytest.raises(ValueError, match="preference file .* is a local path outside the allowed folders"):
+        spec(objective="kto", preference_file=str(outside))
+    with pytest.raises(ValueError, match="needs --preference_file"):
+        spec(objective="dpo")
+
+
 @pytest.mark.parametrize(
     "value,expect", [("auto", "auto"), (" AUTO ", "auto"), ("16", 16), (16, 16), (16.0, 16), (65536, 65536)]
 )
