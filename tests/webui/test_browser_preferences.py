@@ -26,7 +26,7 @@ import pytest
 import torch
 from browser import CHROMIUM, expect, needs_browser, screenshot_folder, shout, sync_playwright
 from served_app import serve
-from test_browser_loop import bot_messages, correct_last_reply, fill, send
+from test_browser_loop import bot_messages, correct_last_reply, fill
 
 from chat.engine import DEMO_DIR, load_checkpoint
 from chat.layout import SAMPLE_DIR
@@ -101,6 +101,20 @@ def page(served, shots):
         yield page
         context.close()
         browser.close()
+
+
+def send(page, text: str) -> str:
+    """Send ``text`` in the chat and wait for the whole reply (a minute: the CPU may be shared)."""
+    before = bot_messages(page).count()
+    box = page.get_by_role("textbox", name="Message").first
+    box.fill(text)
+    box.press("Enter")
+    expect(bot_messages(page)).to_have_count(before + 1, timeout=60_000)
+    stop = page.locator("#chat-log button.stop-button, #chat-input button.stop-button")
+    expect(stop).to_have_count(0, timeout=60_000)
+    reply = bot_messages(page).last.inner_text().strip()
+    assert reply and "Nothing was sent to the model" not in reply
+    return reply
 
 
 def rate_last_reply(page, name: str) -> None:
