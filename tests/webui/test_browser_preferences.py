@@ -96,7 +96,7 @@ def page(served, shots):
         page = context.new_page()
         page.set_default_timeout(30_000)
         page.goto(served.url)
-        expect(page.locator("#chat-input textarea")).to_be_visible()
+        expect(page.locator("#chat-input textarea")).to_be_visible(timeout=60_000)  # (a busy shared CPU)
         page.shot = lambda name: page.screenshot(path=shots / f"pref-{name}.png", full_page=True)
         yield page
         context.close()
