@@ -2,7 +2,8 @@
 
 What: one row per rated bot reply (kind, context, the turns before, the response the bot SHOULD give,
 the reply it gave, the rating, the model, the time, a review status and an opaque visitor key), and
-one row per Compare vote (two models, the winner). Texts are neutralized (``chat.prompt.neutralize``)
+one row per Compare vote (two models, the winner; with the conversation and both replies, reviewed
+like the rows: ``finetune.feedback_votes``). Texts are neutralized (``chat.prompt.neutralize``)
 and clipped when stored, so a visitor's ``<s>`` can never become a special token in a training label.
 
 Where: ``data_root()/feedback/feedback.sqlite3`` (PERSONA_CHAT_DATA, read at call time), with the
@@ -28,7 +29,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import sqlite3
 import time
@@ -37,8 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chat.prompt import KINDS, build_source, format_context, neutralize
+from finetune import feedback_votes
+from finetune.feedback_votes import REVIEWABLE, VoteRow, vote_row
 from finetune.jobs.paths import data_root
-from finetune.writes import diagnose, write_error
+from finetune.visitor_salt import read_salt
+from finetune.writes import diagnose, write_error, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,25 @@ def _size(*texts: str) -> int:
     return sum(len(t.encode("utf-8")) for t in texts)
 
 
+def _pair(pair) -> tuple[str, str, str, str, str]:
+    """(kind, context, turns as JSON, reply a, reply b) of a vote's ``pair``, checked like a
+    feedback row; all empty for None."""
+    if pair is None:
+        return "", "", "[]", "", ""
+    if not isinstance(pair, dict):
+        raise FeedbackError("a vote's pair must be a dict of kind, context, turns, reply_a and reply_b")
+    kind = _choice(pair.get("kind"), "kind", KINDS)
+    context = (
+        "" if kind == "none" else _text(pair.get("context") or "", "the context", MAX_CONTEXT_CHARS, required=False)
+    )
+    turns = pair.get("turns")
+    if isinstance(turns, str) or not isinstance(turns, (list, tuple)) or not turns:
+        raise FeedbackError("turns must be a non-empty list of strings")
+    clean = [_text(t, f"turn {i + 1}", MAX_TURN_CHARS, keep_end=True) for i, t in enumerate(list(turns)[-MAX_TURNS:])]
+    replies = [_text(pair.get(f"reply_{side}"), f"reply {side}", MAX_RESPONSE_CHARS) for side in "ab"]
+    return kind, context, json.dumps(clean, ensure_ascii=False), *replies
+
+
 def _row(record: tuple) -> FeedbackRow:
     values = list(record)
     values[3] = json.loads(values[3])
@@ -182,6 +204,9 @@ class FeedbackStore:
             with self._write() as con:
                 for statement in filter(str.strip, _SCHEMA.split(";")):
                     con.execute(statement)
+                added = feedback_votes.migrate(con)  # a store of the first schema: its votes all kept
+            if added:
+                log.info("feedback store %s: votes gained the columns %s", self.path, ", ".join(added))
         except (OSError, sqlite3.Error) as err:
             failure = _write_failure(err, self.path.parent)
             if failure:
@@ -342,8 +367,8 @@ class FeedbackStore:
             out = Path(folder)
         try:
             out.mkdir(parents=True, exist_ok=folder is not None)
-            train_path = _write_jsonl(out / "train.jsonl", train)
-            heldout_path = _write_jsonl(out / "heldout.jsonl", heldout) if heldout else None
+            train_path = write_jsonl(out / "train.jsonl", map(_line, train))
+            heldout_path = write_jsonl(out / "heldout.jsonl", map(_line, heldout)) if heldout else None
             if not heldout:  # a folder exported into before must not keep an older held-out file
                 (out / "heldout.jsonl").unlink(missing_ok=True)
         except OSError as err:
@@ -355,32 +380,78 @@ class FeedbackStore:
         return FeedbackExport(train_path, heldout_path, len(train), len(heldout))
 
     # ------------------------------------------------------------------ votes (Compare view)
-    def vote(self, *, model_a: str, model_b: str, winner: str, visitor: str, message: str = "") -> int:
+    def vote(
+        self, *, model_a: str, model_b: str, winner: str, visitor: str, message: str = "", pair=None, status="pending"
+    ) -> int:
         """Store one vote (winner a | b | tie); returns its id. The pair is stored sorted, so
-        (x, y) and (y, x) count together (the winner flipped with it)."""
+        (x, y) and (y, x) count together (the winner and the replies flipped with it). ``pair``:
+        what both models answered and said, {"kind", "context", "turns", "reply_a", "reply_b"}
+        (None: the vote counts in the win rates only); a vote with it waits for review (``status``)."""
         winner = _choice(winner, "winner", WINNERS)
+        status = _choice(status, "status", STATUSES)
         visitor = _visitor(visitor)
         model_a = _text(model_a, "model a", MAX_NAME_CHARS)
         model_b = _text(model_b, "model b", MAX_NAME_CHARS)
         message = _text(message or "", "the message", MAX_RESPONSE_CHARS, required=False)
+        kind, context, turns, reply_a, reply_b = _pair(pair)
         if model_a == model_b:
             raise FeedbackError("a vote needs two different models")
         if model_a > model_b:
             model_a, model_b, winner = model_b, model_a, {"a": "b", "b": "a"}.get(winner, winner)
-        size = _size(model_a, model_b, winner, visitor, message)
+            reply_a, reply_b = reply_b, reply_a
+        size = _size(model_a, model_b, winner, visitor, message, kind, context, turns, reply_a, reply_b)
         with self._write("the vote") as con:
             if not visitor.startswith(TRAINER_PREFIX):
-                _check_visitor_votes(con, visitor, model_a, model_b)
+                limits = (MAX_VOTES_PER_VISITOR, VOTES_PER_HOUR, VOTES_PER_PAIR_PER_DAY)
+                problem = feedback_votes.visitor_problem(con, visitor, model_a, model_b, *limits)
+                if problem:
+                    raise FeedbackError(problem)
             votes, used = con.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM votes").fetchone()
             used += con.execute("SELECT COALESCE(SUM(size), 0) FROM feedback").fetchone()[0]
             if votes >= MAX_VOTES or used + size > MAX_BYTES:
                 raise FeedbackError(f"the vote store is full ({votes:,} votes); the vote was not saved")
             cur = con.execute(
-                "INSERT INTO votes (model_a, model_b, winner, visitor, message, created, size)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (model_a, model_b, winner, visitor, message, time.time(), size),
-            )
+                "INSERT INTO votes (model_a, model_b, winner, visitor, message, created, size, kind, context, turns,"
+                " reply_a, reply_b, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (model_a, model_b, winner, visitor, message, time.time(), size, kind, context, turns, reply_a,
+                 reply_b, status),
+            )  # fmt: skip
             return cur.lastrowid
+
+    def votes(self, status: str | None = None, limit: int = 200, offset: int = 0) -> list[VoteRow]:
+        """The votes a trainer reviews (both replies kept, not a tie), of one status or all, newest first."""
+        limit, offset = max(0, min(int(limit), MAX_LIST)), max(0, int(offset))
+        where, args = ("", ()) if status is None else ("AND status = ?", (_choice(status, "status", STATUSES),))
+        with self._connect() as con:
+            found = con.execute(
+                f"SELECT {feedback_votes.COLUMNS} FROM votes WHERE {REVIEWABLE} {where} ORDER BY id DESC"
+                " LIMIT ? OFFSET ?",
+                (*args, limit, offset),
+            ).fetchall()
+        return [vote_row(r) for r in found]
+
+    def get_vote(self, vote_id: int) -> VoteRow:
+        with self._connect() as con:
+            record = con.execute(
+                f"SELECT {feedback_votes.COLUMNS} FROM votes WHERE id = ? AND {REVIEWABLE}", (int(vote_id),)
+            ).fetchone()
+        if record is None:
+            raise FeedbackError(f"there is no vote #{vote_id} to review")
+        return vote_row(record)
+
+    def vote_counts(self) -> dict[str, int]:
+        """How many reviewable votes (see ``votes``) have each status."""
+        with self._connect() as con:
+            found = dict(con.execute(f"SELECT status, COUNT(*) FROM votes WHERE {REVIEWABLE} GROUP BY status"))
+        return {status: found.get(status, 0) for status in STATUSES}
+
+    def set_vote_status(self, vote_ids: list[int], status: str) -> int:
+        """Set the review status of reviewable votes; returns how many exist (and now have it)."""
+        status = _choice(status, "status", STATUSES)
+        ids = sorted({int(i) for i in vote_ids})
+        with self._write("the review") as con:
+            update = f"UPDATE votes SET status = ? WHERE id = ? AND {REVIEWABLE}"
+            return sum(con.execute(update, (status, i)).rowcount for i in ids)
 
     def win_rates(self) -> list[dict]:
         """One dict per unordered model pair (most votes first): model_a, model_b, a_wins, b_wins,
@@ -399,89 +470,19 @@ class FeedbackStore:
         return visitor_key(client_address, self.path.parent / SALT_FILE)
 
 
-def _wait(seconds: float) -> str:
-    for unit, size in (("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{-(-seconds // size):.0f} {unit}"
-    return f"{max(1, -(-seconds // 1)):.0f} s"
-
-
-def _check_visitor_votes(con: sqlite3.Connection, visitor: str, model_a: str, model_b: str) -> None:
-    """FeedbackError saying why a visitor's vote is not counted, and when one will be: over
-    MAX_VOTES_PER_VISITOR, VOTES_PER_HOUR or VOTES_PER_PAIR_PER_DAY (the pair in either order)."""
-    (mine,) = con.execute("SELECT COUNT(*) FROM votes WHERE visitor = ?", (visitor,)).fetchone()
-    if mine >= MAX_VOTES_PER_VISITOR:
-        raise FeedbackError(
-            f"you have voted {mine} times (the limit is {MAX_VOTES_PER_VISITOR}); this vote was not counted"
-        )
-    now, pair = time.time(), "AND model_a = ? AND model_b = ?"
-    for (limit, window), where, args, what in (
-        (VOTES_PER_HOUR, "", (), "in the last hour"),
-        (VOTES_PER_PAIR_PER_DAY, pair, (model_a, model_b), "on these two models in the last day"),
-    ):
-        # the limit-th newest vote in the window: one more fits once it is out of the window
-        found = con.execute(
-            f"SELECT created FROM votes WHERE visitor = ? {where} AND created > ?"
-            " ORDER BY created DESC LIMIT 1 OFFSET ?",
-            (visitor, *args, now - window, limit - 1),
-        ).fetchone()
-        if found:
-            raise FeedbackError(
-                f"you have voted {limit} times {what}, the most one visitor may (so that no one visitor decides "
-                f"the win rates); this vote was not counted: try again in {_wait(found[0] + window - now)}"
-            )
-
-
-def _write_jsonl(path: Path, rows: list[FeedbackRow]) -> Path:
-    """Write ``rows`` as JSON lines in one rename: a reader sees the whole file or none."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for r in rows:
-                line = {"kind": r.kind, "context": r.context, "turns": r.turns, "response": r.response}
-                fh.write(json.dumps({**line, "id": r.id, "rating": r.rating, "model": r.model}, ensure_ascii=False))
-                fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-_SALTS: dict[Path, bytes] = {}  # a salt never changes once written: read each file once per process
-
-
-def _salt(path: Path) -> bytes:
-    """The salt at ``path``: 32 random bytes, mode 0600, created once whatever the concurrency."""
-    path = path.resolve()
-    if path not in _SALTS:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-            try:
-                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
-                    fh.write(secrets.token_bytes(32))
-                    os.fsync(fh.fileno())
-                try:
-                    os.link(tmp, path)  # create-once: a salt another process wrote first is never replaced
-                except FileExistsError:
-                    pass
-                except OSError:  # a filesystem without hard links: a rename (a race costs one key change)
-                    os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
-        salt = path.read_bytes()
-        if len(salt) < 16:
-            raise FeedbackError(f"the visitor salt {path} is damaged; remove it to start a new one")
-        _SALTS[path] = salt
-    return _SALTS[path]
+def _line(r: FeedbackRow) -> dict:
+    """An exported row: the structured format ``--train_file`` reads, and where it came from."""
+    return {"kind": r.kind, "context": r.context, "turns": r.turns, "response": r.response, "id": r.id,
+            "rating": r.rating, "model": r.model}  # fmt: skip
 
 
 def visitor_key(client_address: str | None, salt_file: str | Path | None = None) -> str:
     """A short salted hash (HMAC-SHA256) of a client address; the salt (default: beside feedback_path())
     never leaves the server, so the key cannot be reversed into the address."""
-    salt = _salt(Path(salt_file) if salt_file is not None else feedback_path().parent / SALT_FILE)
+    try:
+        salt = read_salt(Path(salt_file) if salt_file is not None else feedback_path().parent / SALT_FILE)
+    except ValueError as err:
+        raise FeedbackError(str(err)) from None
     return hmac.new(salt, str(client_address or "").encode("utf-8", "replace"), hashlib.sha256).hexdigest()[:16]
 
 

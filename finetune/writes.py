@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import resource
@@ -164,6 +165,22 @@ def replace_text(path: Path, text: str) -> None:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def write_jsonl(path: Path, records) -> Path:
+    """Write ``records`` (dicts) as JSON lines in one rename, synced first: a reader sees the whole
+    file or none. The OSError of a failed write is the caller's to explain (``write_error``)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for record in records:
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def _named(code: int, file, where: Path) -> WriteError:

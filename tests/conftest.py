@@ -64,6 +64,7 @@ SLOW_MODULES = {
     "test_upload_limits.py",
     "test_text_hygiene.py",  # the app launched, every text endpoint attacked
     "test_browser_export.py",  # the review panel's export in Chromium
+    "test_browser_preferences.py",  # issue 27's loop: like, dislike, correct, vote, accept, DPO, accuracy
 }
 SLOW_TESTS = {
     "test_python_app_py_without_the_hub_serves_the_demo_model_at_once",  # two app start-ups

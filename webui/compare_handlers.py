@@ -129,6 +129,7 @@ def send(slot: CompareSlot, message, kind, context, history_a, history_b) -> Ite
     """Send ``message`` to both models, A first, then B (streamed). Yields (message box, pane A,
     pane B, the reply pair to vote on or None, note, and the three vote buttons' updates)."""
     history_a, history_b = list(history_a or []), list(history_b or [])
+    replies = ["", ""]
     try:
         if kind not in KINDS:
             raise InputError(f"Unknown kind {kind!r}; choose one of {', '.join(KINDS)}.")
@@ -138,12 +139,11 @@ def send(slot: CompareSlot, message, kind, context, history_a, history_b) -> Ite
         (spec_a, engine_a, id_a), (spec_b, engine_b, id_b) = slot.engines()
         # Both inputs are built (and checked) before either model runs; each side's conversation
         # names its model (two adapters may share one engine and its base).
-        streams = [
-            engine.stream(
-                Conversation(kind, context or "", chat_handlers.history_to_turns(history), model=model), text, SETTINGS
-            )
-            for engine, model, history in ((engine_a, id_a, history_a), (engine_b, id_b, history_b))
+        conversations = [
+            Conversation(kind, context or "", chat_handlers.history_to_turns(history), model=model)
+            for model, history in ((id_a, history_a), (id_b, history_b))
         ]
+        streams = [engine.stream(c, text, SETTINGS) for engine, c in zip((engine_a, engine_b), conversations)]
     except (InputError, CompareError) as err:
         yield _out(gr.skip(), history_a, history_b, None, f"⚠️ {err}")
         return
@@ -156,7 +156,7 @@ def send(slot: CompareSlot, message, kind, context, history_a, history_b) -> Ite
             for reply, _ in stream:
                 shown = [*panes[side], {"role": "assistant", "content": reply}]
                 yield _out("", *(shown if i == side else pane for i, pane in enumerate(panes)), None, "")
-            panes[side] = [*panes[side], _reply_message(reply)]
+            panes[side], replies[side] = [*panes[side], _reply_message(reply)], reply
             slot.touch()  # a long reply counts as use: the extra model is not freed right after it
             if side == 0:
                 yield _out("", *panes, None, "⏳ B is answering…")
@@ -164,7 +164,7 @@ def send(slot: CompareSlot, message, kind, context, history_a, history_b) -> Ite
         log.exception("compare: reply failed")
         yield _out("", *panes, None, f"⚠️ The model could not reply ({type(err).__name__}: {err}).")
         return
-    pending = {"a": spec_a, "b": spec_b, "message": text}
+    pending = {"a": spec_a, "b": spec_b, "message": text, "pair": _pair(kind, context, conversations, text, replies)}
     yield _out("", *panes, pending, "Which reply is better? Vote below (once per message).")
 
 
@@ -184,6 +184,23 @@ def win_rate_frame(store: FeedbackStore, pair: tuple[str, str] | None = None) ->
     return pd.DataFrame(rows, columns=TABLE_COLUMNS)
 
 
+def _pair(kind: str, context: str, conversations: list[Conversation], text: str, replies: list[str]) -> dict | None:
+    """What a vote on this reply pair keeps for preference tuning: the conversation both models
+    answered and their replies; None when the panes' conversations differ (each pane goes on from
+    its own replies, so after the first message a pair can answer two different conversations, and a
+    preference pair needs one) or a reply is empty."""
+    turns_a, turns_b = (c.turns for c in conversations)
+    if list(turns_a) != list(turns_b) or not all(r.strip() for r in replies):
+        return None
+    return {
+        "kind": kind,
+        "context": context or "",
+        "turns": [*turns_a, text],
+        "reply_a": replies[0],
+        "reply_b": replies[1],
+    }
+
+
 def vote(store: FeedbackStore, tab: TrainTab, pending: dict | None, winner: str, request) -> tuple:
     """Store a vote on the last reply pair; returns (win-rate table, pending (None once used),
     note, the three vote buttons' updates: off). ``pending`` is the page's server-side state (a
@@ -200,6 +217,7 @@ def vote(store: FeedbackStore, tab: TrainTab, pending: dict | None, winner: str,
             winner=winner,
             visitor=store.visitor_key(tab.auth.client(request)),
             message=pending.get("message", ""),
+            pair=pending.get("pair"),  # the replies too: an accepted vote becomes a preference pair
         )
     except FeedbackError as err:
         return gr.skip(), None, f"⚠️ The vote was not saved: {err}", *off

@@ -29,9 +29,12 @@ SAVE_JS = """(data) => {
   setTimeout(() => URL.revokeObjectURL(link.href), 60000);
 }"""
 
-HELP = """Every 👍 like, 👎 dislike and ✏️ correction in the chat waits here as a **pending** row. Select a row to
-see exactly what the model reads, fix the response if needed, then **Accept** it (only accepted likes and corrections
-are trained on: tick **Add accepted chat feedback** under **New run**) or **Reject** it."""
+HELP = """Every 👍 like, 👎 dislike and ✏️ correction in the chat, and every ⚖️ vote in Compare, waits here as a
+**pending** row. Select a row to see exactly what the model reads, fix the response if needed, then **Accept** it or
+**Reject** it. Accepted likes and corrections train the bot to say them (**Add accepted chat feedback** under **New
+run**); as preference rows (**Objective** DPO or KTO under **New run**), a correction teaches "this, rather than what
+the bot said", a vote "the winner's reply rather than the loser's" (ties teach nothing), a like or dislike "a good
+reply" or "a bad reply"."""
 
 
 @dataclass
@@ -42,7 +45,7 @@ class ReviewParts:
     refresh: gr.Button
     table: gr.Dataframe
     selected: gr.State  # the selected row's id
-    newest: gr.State  # the newest pending id this page counted (Accept all stops there)
+    newest: gr.State  # the newest pending row and vote ids this page counted (Accept all stops there)
     detail: gr.Markdown
     response: gr.Textbox
     accept: gr.Button
@@ -50,6 +53,8 @@ class ReviewParts:
     save: gr.Button
     accept_all: gr.Button
     export: gr.Button
+    export_dpo: gr.Button  # the accepted feedback as DPO pairs
+    export_kto: gr.Button  # ... as KTO rows
     download: gr.JSON  # the export the browser saves (never a file gradio would serve to anyone)
     note: gr.Markdown
 
@@ -70,7 +75,7 @@ def build(train: TrainTab) -> ReviewParts:
             label="Rows (newest first): select one",
             elem_id="review-rows",
         )
-        selected, newest = gr.State(None), gr.State(0)
+        selected, newest = gr.State(None), gr.State((0, 0))
         detail = gr.Markdown(elem_id="review-detail")
         response = gr.Textbox(
             label="Response: what the bot should say", lines=2, max_length=1000, elem_id="review-response"
@@ -82,11 +87,14 @@ def build(train: TrainTab) -> ReviewParts:
         with gr.Row(elem_classes="train-buttons"):
             accept_all = gr.Button("Accept all pending", elem_id="review-accept-all")
             export = gr.Button("Export accepted (.jsonl)", elem_id="review-export")
+        with gr.Row(elem_classes="train-buttons"):
+            export_dpo = gr.Button("Export DPO pairs (.jsonl)", elem_id="review-export-dpo")
+            export_kto = gr.Button("Export KTO rows (.jsonl)", elem_id="review-export-kto")
         download = gr.JSON(None, visible=False, elem_id="review-download")  # {"name", "text"}: SAVE_JS saves it
         note = gr.Markdown(elem_id="review-note")
     return ReviewParts(
         panel, counts, status, refresh, table, selected, newest, detail, response, accept, reject, save, accept_all,
-        export, download, note,
+        export, export_dpo, export_kto, download, note,
     )  # fmt: skip
 
 
@@ -96,7 +104,7 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
     def redraw(token: str | None, profile: gr.OAuthProfile | None, status):
         label, counts, rows = handlers.refresh(train, token, profile, status)
         newest = handlers.newest_pending(train)
-        pending = train.feedback_store().counts()["pending"]
+        pending = train.feedback_store().counts()["pending"] + train.feedback_store().vote_counts()["pending"]
         return label, counts, rows, newest, gr.update(value=f"Accept all pending ({pending})")
 
     # A refusal raises gr.Error (API clients get it) and is noted for the page: each event's
@@ -146,6 +154,19 @@ def connect(parts: ReviewParts, train: TrainTab, session: gr.BrowserState, sourc
     for event in events:
         event.success(redraw, [session, parts.status], view, **quick)
         event.failure(show_refusal, None, parts.note, **quick)
-    exported = parts.export.click(export, session, [parts.download, parts.note], api_name="review_export", **one)
-    exported.success(None, parts.download, None, js=SAVE_JS, **PRIVATE)
-    exported.failure(show_refusal, None, parts.note, **quick)
+
+    def preferences(objective):
+        @noted
+        def handler(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request):
+            return handlers.export_preference_file(train, token, profile, objective)
+
+        return handler
+
+    for button, handler, name in (
+        (parts.export, export, "review_export"),
+        (parts.export_dpo, preferences("dpo"), "review_export_dpo"),
+        (parts.export_kto, preferences("kto"), "review_export_kto"),
+    ):
+        exported = button.click(handler, session, [parts.download, parts.note], api_name=name, **one)
+        exported.success(None, parts.download, None, js=SAVE_JS, **PRIVATE)
+        exported.failure(show_refusal, None, parts.note, **quick)

@@ -38,7 +38,7 @@ from finetune.jobs.spec import JobSpec, app_config, make_config
 from finetune.jobs.uploads import ensure_room, validate_upload
 from finetune.memory import gpu as gpu_info
 from finetune.writes import WriteError, writing
-from webui import train_lora, train_preflight
+from webui import train_lora, train_objective, train_preflight
 from webui.auth import AuthConfig, AuthError, require, who
 from webui.refusals import Refusals
 from webui.train_words import command_lines, in_form_words, preview_markdown
@@ -56,14 +56,14 @@ PRECISION_CHOICES = [
     ("fp32", "fp32"),
 ]
 
-# The form's inputs: TrainConfig's and JobSpec's names, plus where the data comes from. The one
-# list of them: the tab passes its components to the handlers by these names, and API clients
-# send the values in this order.
+# The form's inputs: TrainConfig's and JobSpec's names, plus where the data comes from. The one list of them: the
+# tab passes its components to the handlers by these names, and API clients send the values in this order.
 # use_feedback / feedback_ratio: accepted chat feedback mixed into any of the data sources.
 DATA_FIELDS = ("data_source", "hub_dataset", "use_feedback", "feedback_ratio")
 FORM_FIELDS = (
     "model_name_or_path",
     *train_lora.FIELDS,
+    *train_objective.FIELDS,
     *DATA_FIELDS,
     "n_train",
     "n_val",
@@ -313,8 +313,9 @@ def _spec_from_form(tab: TrainTab, values: Mapping, uploads: Uploads | None) -> 
             f"unknown: {', '.join(unknown) or '-'}"
         )
     data, split_train_file = _data(values, uploads)
-    data.update(_feedback(tab, values))
-    settings = {k: v for k, v in values.items() if k not in (*DATA_FIELDS, *LAUNCH_FIELDS, *train_lora.FIELDS)}
+    data.update(_feedback(tab, values), **train_objective.settings(tab.feedback_store(), values))  # SFT: none
+    form_only = (*DATA_FIELDS, *LAUNCH_FIELDS, *train_lora.FIELDS, *train_objective.FIELDS)
+    settings = {k: v for k, v in values.items() if k not in form_only}
     settings.update(train_lora.settings(values))  # (none for full fine-tuning or a finished adapter as base)
     settings.update({name: None for name in ZERO_IS_NONE if settings[name] in (None, "", 0)})
     settings["per_device_train_batch_size"] = train_preflight.parse_batch(settings["per_device_train_batch_size"])

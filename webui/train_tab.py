@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from webui import auth, review_tab, train_lora
+from webui import auth, review_tab, train_lora, train_objective
 from webui import train_handlers as handlers
 from webui import train_preflight as preflight
 from webui import train_view as view
@@ -144,6 +144,8 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 **locked,
             )
         form.update(train_lora.build(defaults, locked))  # full fine-tuning or a LoRA adapter
+        objective, preference_counts = train_objective.build(defaults, locked)  # SFT, DPO or KTO
+        form.update(objective)
         with gr.Row(elem_classes="train-pair"):
             form["use_feedback"] = gr.Checkbox(
                 defaults["use_feedback"],
@@ -314,6 +316,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             height=PLOT_HEIGHT,
             elem_id="train-bleu",
         )
+        pref = view.pref_plot(PLOT_HEIGHT)  # DPO / KTO runs: held-out preference accuracy
     log_tail = gr.Textbox(
         label="Log (newest lines at the bottom)",
         lines=view.LOG_LINES,
@@ -343,6 +346,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             push = gr.Button("Push to Hub", scale=1, elem_id="train-push", **locked)
     gr.HTML(CSS, elem_id="train-css", padding=False, js_on_load=PAGE_JS)
     timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
+    view.connect_pref(train, timer, pref)
     unlocked = [*(c for name, c in form.items() if name != "num_gpus" or train.gpus), train_file, val_file]
     unlocked += [start, stop, resume, push_repo, push_private, push_merged, push]
 
@@ -459,6 +463,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         **PRIVATE,
     )
     review_tab.connect(review, train, session, form["source_prefix"])
+    train_objective.connect(objective, preference_counts, train.feedback_store)
     gr.on(
         [form[name].change for name in preflight.FIELDS],
         lambda *values: handlers.preflight_markdown(train, dict(zip(preflight.FIELDS, values, strict=True))),

@@ -65,6 +65,8 @@ def run_markdown(status: RunStatus) -> str:
         facts.append(f"GPU memory {status.gpu_mem_gib:.1f} GiB")
     if status.eval_bleu is not None:
         facts.append(f"BLEU {status.eval_bleu:.2f}")
+    if status.eval_pref_accuracy is not None:  # DPO / KTO: held-out rows where the model prefers the chosen
+        facts.append(f"preference accuracy {100 * status.eval_pref_accuracy:.0f}%")
     if facts:
         lines.append(" · ".join(facts))
     if status.bleu_parts:
@@ -95,6 +97,49 @@ def loss_frame(status: RunStatus) -> pd.DataFrame:
 
 def bleu_frame(status: RunStatus) -> pd.DataFrame:
     return _points(status.bleu_points, "bleu")
+
+
+def pref_frame(status: RunStatus) -> pd.DataFrame:
+    """The held-out preference accuracy of each evaluation, in percent (DPO / KTO runs; empty otherwise)."""
+    points = [{"step": p["step"], "accuracy": 100 * p["pref_accuracy"]} for p in status.pref_points]
+    return _points(points, "accuracy")
+
+
+def pref_plot(height: int) -> gr.ScatterPlot:
+    """The plot of held-out preference accuracy (points, like BLEU's), hidden until a run reports one."""
+    return gr.ScatterPlot(
+        pref_frame(RunStatus()),
+        x="step",
+        y="accuracy",
+        y_lim=[0, 100],
+        title="Preference accuracy (%, held out)",
+        height=height,
+        visible=False,
+        elem_id="train-pref",
+    )
+
+
+def connect_pref(tab: TrainTab, timer: gr.Timer, plot: gr.ScatterPlot) -> None:
+    """Redraw the plot on the Train tab's timer (its own cache: only changes are sent)."""
+    cache = gr.State(None)
+    quiet = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}
+    timer.tick(lambda seen: pref_view(tab, seen), cache, [cache, plot], **quiet)
+
+
+def pref_view(tab: TrainTab, cache: dict | None) -> tuple:
+    """The preference accuracy plot's redraw on the timer's tick: (cache, the plot's update or
+    gr.skip() when nothing changed). The plot shows only for runs that report the figure."""
+    status = tab.manager.status()
+    frame, limits = pref_frame(status), {"x_lim": steps_axis(status), "y_lim": [0, 100]}
+    cache, points = dict(cache or {}), frame.to_json()
+    if cache.get("limits") != repr(limits):
+        # as live_view's plots: points sent with new limits can miss the new drawing, so they go again next tick
+        cache.update(limits=repr(limits), points="sent with new limits")
+        return cache, gr.update(value=frame, visible=not frame.empty, **limits)
+    if cache.get("points") == points:
+        return cache, gr.skip()
+    cache["points"] = points
+    return cache, gr.update(value=frame, visible=not frame.empty)
 
 
 def samples_frame(status: RunStatus) -> pd.DataFrame:

@@ -61,12 +61,15 @@ class RunStatus:
     eta_seconds: float | None = None
     loss_points: list[dict] = field(default_factory=list)  # [{"step", "loss"}] for gr.LinePlot
     bleu_points: list[dict] = field(default_factory=list)  # [{"step", "bleu"}]
+    # DPO / KTO runs: the held-out preference accuracy (a share, 0..1) of each evaluation
+    pref_points: list[dict] = field(default_factory=list)  # [{"step", "pref_accuracy"}]
     samples_per_second: float | None = None
     gpu_mem_gib: float | None = None
     log_tail: str = ""
     error: str | None = None
     final_dir: str | None = None
     eval_bleu: float | None = None
+    eval_pref_accuracy: float | None = None  # the latest evaluation's (DPO / KTO runs)
     # The latest evaluation's BLEU per kind and on held-out chat feedback (finetune.evaluate.scores):
     # {"persona": 31.2, ..., "feedback": 12.0}, only the parts the validation data has.
     bleu_parts: dict = field(default_factory=dict)
@@ -219,7 +222,7 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
     current = [e for off, e in events if off >= offset]  # this launch attempt's events
     everything = [e for _, e in events]
 
-    loss, bleu = {}, {}
+    loss, bleu, pref = {}, {}, {}
     step, total, last_eval = 0, 0, None
     for e in everything:
         kind = e.get("event")
@@ -232,6 +235,8 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
             loss[e["step"]] = e["loss"]  # steps repeated after a resume: the later value wins
         elif kind == "eval":
             bleu[e["step"]] = e["eval_bleu"]
+            if isinstance(e.get("eval_pref_accuracy"), (int, float)):
+                pref[e["step"]] = e["eval_pref_accuracy"]
             last_eval = e
     done = next((e for e in reversed(current) if e.get("event") == "done"), None)
     terminal = done or next((e for e in reversed(current) if e.get("event") in ("stopped", "error")), None)
@@ -245,6 +250,7 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
     status.progress = min(1.0, step / total) if total else 0.0
     status.loss_points = [{"step": s, "loss": v} for s, v in sorted(loss.items())]
     status.bleu_points = [{"step": s, "bleu": v} for s, v in sorted(bleu.items())]
+    status.pref_points = [{"step": s, "pref_accuracy": v} for s, v in sorted(pref.items())]
     # speed and memory of this attempt only: after a resume they start afresh
     last_log = next((e for e in reversed(current) if e.get("event") == "log"), None)
     if last_log:
@@ -252,6 +258,7 @@ def status_of(run_dir: Path, snap: process.Snapshot | None = None) -> RunStatus:
         status.gpu_mem_gib = last_log.get("gpu_mem_gib")
     if last_eval:
         status.eval_bleu = last_eval.get("eval_bleu")
+        status.eval_pref_accuracy = last_eval.get("eval_pref_accuracy")
         status.bleu_parts = bleu_parts(last_eval)
         status.samples = list(last_eval.get("samples") or [])
     status.log_tail = "\n".join(tail(run_dir / LOG_FILE, LOG_TAIL_LINES))

@@ -143,7 +143,13 @@ def test_both_models_reply_each_with_its_own_history(slot, tab, runs):
     reply_b = tab_reply(extra, [], "hello there")
     assert chat_handlers.history_to_turns(pane_a) == ["hello there", reply_a]
     assert chat_handlers.history_to_turns(pane_b) == ["hello there", reply_b]
-    assert pending == {"a": str(DEMO_DIR), "b": run_spec(runs), "message": "hello there"}
+    conversation = {"kind": "persona", "context": PERSONA, "turns": ["hello there"]}
+    assert pending == {
+        "a": str(DEMO_DIR),
+        "b": run_spec(runs),
+        "message": "hello there",
+        "pair": {**conversation, "reply_a": reply_a, "reply_b": reply_b},  # what a vote keeps (issue 27)
+    }
     assert interactive(buttons) == [True] * 3 and note.startswith("Which reply is better?")
 
     # The next message: each model sees its own earlier reply, not the other's.
@@ -154,6 +160,7 @@ def test_both_models_reply_each_with_its_own_history(slot, tab, runs):
     assert turns_a[3] == tab_reply(slot.serving, turns_a[:2], "do you have pets?")
     assert turns_b[3] == tab_reply(extra, turns_b[:2], "do you have pets?")
     assert pending2["message"] == "do you have pets?"
+    assert pending2["pair"] is None  # two different conversations by now: no preference pair to keep
 
 
 def tab_reply(engine, turns, message) -> str:
@@ -186,6 +193,12 @@ def test_anyone_votes_once_per_reply_pair_and_sees_the_win_rates(slot, tab, runs
     *_, (_, _, _, pending, _, *_) = send(slot, "hello there")
     table, left, note, *buttons = compare_handlers.vote(store, tab, pending, "b", request())
     assert left is None and note.startswith("✅") and interactive(buttons) == [False] * 3
+    (kept,) = store.votes("pending")  # the vote keeps both replies; it waits for a trainer's review
+    assert (kept.turns, kept.chosen, kept.rejected) == (
+        ["hello there"],
+        pending["pair"]["reply_b"],
+        pending["pair"]["reply_a"],
+    )
     assert table.to_dict("records") == [
         {
             "Model": "demo model (tiny, bundled)",  # A first, as in the panes
