@@ -39,6 +39,7 @@ def tiny_tokenizer(tiny_path):
 # `make fast` (pytest -m "not slow") skips them for development; CI runs everything.
 SLOW_MODULES = {
     "test_train.py",
+    "test_context_eval.py",  # evaluations of the demo model, a CLI run with a tracker
     "test_checkpoints.py",
     "test_lora_training.py",  # LoRA adapters: ZeRO-2 on 2 processes, resume, merge, continue
     "test_faults.py",
