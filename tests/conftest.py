@@ -49,6 +49,7 @@ SLOW_MODULES = {
     "test_app_train.py",
     "test_browser.py",
     "test_browser_train.py",  # the Train tab in a browser, desktop and phone, two tiny runs
+    "test_browser_runs.py",  # the runs view: three CLI runs, listed, overlaid, served, deleted
     "test_browser_lora.py",  # a LoRA adapter trained from the Train tab, desktop and phone
     "test_browser_loop.py",  # issue 13's loop: chat, correct, accept, retrain, compare, vote
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes

@@ -15,7 +15,7 @@ FIRST, SECOND, STOPPED = "20261203-100000-aaaaaa", "20261203-110000-bbbbbb", "20
 CORRUPT, FOREIGN = "20261203-080000-dddddd", "holiday-photos"
 FAST = (
     "--dataset_name sample --n_train 16 --n_val 60 --num_beams 1 --val_min_target_length 2 "
-    "--per_device_train_batch_size 8 --per_device_eval_batch_size 30 --logging_steps 1 --max_train_steps 2"
+    "--per_device_train_batch_size 8 --per_device_eval_batch_size 60 --logging_steps 1 --max_train_steps 2"
 ).split()
 
 

@@ -90,6 +90,8 @@ def test_the_table_lists_every_folder_with_state_lineage_and_scores(view):
     assert by_run.loc["20261203-100000-aaaaaa", "context"] == "0.60"
     assert "persona 13.5" in by_run.loc["20261203-100000-aaaaaa", "BLEU by kind"]
     assert "2 folder(s) are not readable runs" in runs.summary(found, found)
+    # The Train tab's live view (the latest run the app launched) is not thrown by the corrupt run.json.
+    assert services.manager.status().state == "idle"
     assert all(str(services.root) not in str(v) for v in frame.to_numpy().ravel())
 
 
@@ -152,6 +154,7 @@ def test_rename_is_kept_in_run_json_and_shown_by_the_table_and_the_picker(view):
     runs.rename(services, token, None, "20261203-100000-aaaaaa", "  the   first one ")
     info = json.loads((services.root / "20261203-100000-aaaaaa" / "run.json").read_text())
     assert info == {"label": "the first one"}
+    assert services.manager.status().state == "idle"  # a name alone is no run the app launched
     found = runs.records(services)
     by_id = {r.run_id: r for r in found}
     assert by_id["20261203-100000-aaaaaa"].state == "finished"  # a name alone keeps it a command-line run
