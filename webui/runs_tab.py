@@ -45,7 +45,12 @@ def build(services: RunsServices, session: gr.BrowserState) -> RunsParts:
             refresh = gr.Button("Refresh", scale=1, elem_id="runs-refresh")
         note = gr.Markdown(elem_id="runs-summary")
         table = gr.Dataframe(
-            handlers.table([], []), interactive=False, wrap=True, show_label=False, elem_id="runs-table"
+            handlers.table([], []),
+            interactive=False,
+            wrap=True,
+            show_label=False,
+            column_widths=["210px", "170px", *["110px"] * (len(handlers.COLUMNS) - 2)],  # scrolls sideways
+            elem_id="runs-table",
         )
         selected = gr.Dropdown(
             [], value=[], multiselect=True, label="Overlay runs (two or more)", elem_id="runs-select"
@@ -58,7 +63,9 @@ def build(services: RunsServices, session: gr.BrowserState) -> RunsParts:
         for pair in (("loss", "eval_loss"), ("bleu", "context_hits")):
             with gr.Row():
                 for name in pair:
-                    plots[name] = gr.LinePlot(
+                    # Evaluations as points: a run evaluated once has one, and a line of one point draws nothing.
+                    kind = gr.LinePlot if name == "loss" else gr.ScatterPlot
+                    plots[name] = kind(
                         None,
                         x="step",
                         y="value",

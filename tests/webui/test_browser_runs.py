@@ -70,7 +70,9 @@ def pick(page, elem_id: str, option: str) -> None:
 
 
 def row(page, run_id: str):
-    return page.locator("#runs-table tbody tr:visible", has_text=run_id)  # (gradio also draws a hidden copy)
+    # gradio 6 draws its rows as divs; a run's id is in its first cell (others name it as a parent)
+    first_cell = page.locator(".first-column", has_text=run_id)
+    return page.locator("#runs-table .virtual-row").filter(has=first_cell)
 
 
 def open_runs(page) -> None:
