@@ -107,7 +107,9 @@ def base_name(record: index.RunRecord, names: dict[str, str]) -> str:
 
 def row(record: index.RunRecord, names: dict[str, str]) -> list:
     s = record.settings
-    state = record.state + (f": {record.problem}" if record.problem else "")
+    # (a failure's message may name the server's folders: the runs root is said as "runs")
+    problem = (record.problem or "").replace(str(record.folder.parent), "runs")
+    state = record.state + (f": {problem}" if problem else "")
     steps = s.get("max_train_steps")
     kinds = ", ".join(f"{k} {v:.1f}" for k, v in record.bleu_parts.items() if isinstance(v, (int, float)))
     return [
