@@ -261,7 +261,7 @@ def to_compare(services: RunsServices, token, profile, run_id) -> tuple[str, str
     record = _one(services, run_id)
     return _servable(
         record
-    ), f"✅ {record.name} is model **B** in the Compare tab: open it and press **Use these models**."
+    ), f"✅ {record.name} is model **B** in the Compare tab: open it and press **Load** under **Models**."
 
 
 def command(services: RunsServices, token, profile, run_id) -> str:

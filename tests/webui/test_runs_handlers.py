@@ -184,3 +184,12 @@ def test_push_refuses_a_bad_repo_and_an_unfinished_run(view):
         runs.push(services, token, None, "20261203-100000-aaaaaa", "not a repo", False)
     with pytest.raises(ValueError, match="no finished model"):
         runs.push(services, token, None, "20261203-090000-cccccc", "me/bot", False)
+
+
+def test_send_to_compare_gives_the_runs_model_for_compares_b_menu(view):
+    services, token = view
+    spec, note = runs.to_compare(services, token, None, "20261203-100000-aaaaaa")
+    assert spec == str(services.root / "20261203-100000-aaaaaa" / FINAL) and "model **B**" in note
+    assert spec in [s for _, s in chat_handlers.picker_choices(services.root)]  # a choice Compare's menu offers
+    with pytest.raises(ValueError, match="no finished model"):
+        runs.to_compare(services, token, None, "20261203-090000-cccccc")
