@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from chat.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_of, is_adapter_dir
 from chat.layout import FINAL
 from chat.loading import CheckpointError, LoadedModel, input_format, model_id, training_args
-from chat.lora import ServedLoraLinear
+from chat.lora import ServedLoraLinear, rows_of
 from chat.model import MODEL_PRESETS, load_tokenizer, resolve
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,21 @@ class Host:
                 set_adapter(self.model, [name] if name else [], inference_mode=True)
                 self._active = (name,)
             yield
+
+    @contextmanager
+    def rows(self, loadeds: list[LoadedModel]):
+        """Run the body (one decoder step of a batch, ``chat.stepping``) with row ``i`` answered as
+        ``loadeds[i]``: each through its own adapter (or none), attached again if unloaded."""
+        with self.lock:
+            for loaded in {id(x): x for x in loadeds}.values():
+                name = loaded.adapter
+                if name is not None:
+                    if name not in self._attached:
+                        log.info("attaching %s again", loaded.id)
+                        self.attach(loaded.folder, name, loaded.id, "its base")
+                    self._attached.move_to_end(name)
+            with rows_of([loaded.adapter for loaded in loadeds]):
+                yield
 
 
 def adapter_model(base: LoadedModel, folder: Path, public_id: str, named: str | None = None) -> LoadedModel:
