@@ -70,6 +70,7 @@ SLOW_TESTS = {
     "test_smoke_run_measures_lora_against_full",  # bench.train_lora's CPU smoke run
     "test_bench_smoke",
     "test_api_bench_smoke",  # starts python app.py
+    "test_serve_smoke_engine_and_app",  # starts python app.py (bench.chat_serve)
     "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)
     "test_32_clients_rating_at_once_each_find_their_row_exactly_once",
     "test_compare_through_the_launched_app",  # an app start-up
