@@ -41,7 +41,7 @@ def make_batcher(scheduler: str, max_batch: int, on_gpu: bool = False) -> Batche
 
 def load_round(engine: ChatEngine, chats, clients: int, replies: int, settings) -> dict:
     """``clients`` threads in a closed loop until ``replies`` replies are done; their timings."""
-    lock, latencies, firsts, texts = threading.Lock(), [], [], {}
+    lock, latencies, firsts, texts, errors = threading.Lock(), [], [], {}, []
     taken = iter(range(replies))
 
     def client() -> None:
@@ -53,8 +53,14 @@ def load_round(engine: ChatEngine, chats, clients: int, replies: int, settings) 
             conv, message = chats[i % len(chats)]
             t0 = time.perf_counter()
             first, text = None, ""
-            for piece, _ in engine.stream(conv, message, settings):
-                first, text = first or time.perf_counter() - t0, piece
+            try:
+                for piece, _ in engine.stream(conv, message, settings):
+                    first, text = first or time.perf_counter() - t0, piece
+            except Exception as err:  # counted and shown, not a dead client and a missing row
+                with lock:
+                    errors.append(f"{type(err).__name__}: {err}")
+                    texts[i] = None
+                continue
             with lock:
                 latencies.append(time.perf_counter() - t0)
                 firsts.append(first)
@@ -75,6 +81,7 @@ def load_round(engine: ChatEngine, chats, clients: int, replies: int, settings) 
         "p95": percentile(latencies, 95),
         "first_text_p50": percentile(firsts, 50),
         "texts": [texts[i] for i in range(replies)],
+        "errors": errors,
     }
 
 
@@ -148,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['p95']:.3f} s",
                 f"{r['first_text_p50']:.3f} s",
                 f"{same}/{len(base['texts'])}",
+                str(len(r["errors"])),
             ]
         )
     header_row = [
@@ -158,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "p95",
         "first text p50",
         f"same replies as {schedulers[0]}",
+        "errors",
     ]
     print(header)
     print("\n".join(md_table(header_row, rows)))

@@ -34,8 +34,9 @@ Full table and caveats: docs/cpu-inference-notes.md)
     ``quantize_dynamic`` is *deprecated* (torch.ao says to move to torchao's ``quantize_``) but
     present and working in torch 2.13 (its warnings are silenced here). Activations are quantized
     with one scale per call over the whole batch, so a row's result depends on the other rows:
-    batching different requests together changes their replies (chat/batching.py serves int8
-    requests alone). The quantized modules are read-only at inference: concurrent calls from several
+    batching different requests together in one call would change their replies: chat/batching.py
+    serves int8 requests alone, and chat.stepping's decoder steps quantize each row apart
+    (``rows_apart``). The quantized modules are read-only at inference: concurrent calls from several
     threads are safe, if slow (see below).
 
 ``num_threads`` sets ``torch.set_num_threads`` (process-wide) when given. torch's default (one

@@ -7,9 +7,10 @@ MB and the base is never loaded again. The base keeps serving itself with no ada
 
 Which adapter answers is switched per batch, on the batcher's worker thread, in ``Host.serving``,
 under the host's lock, which attaching and unloading take too: nothing changes the model while a
-generate() runs on it. Requests for different adapters do not share a generate() call (the batcher
-keys batches by ``LoadedModel``); peft's mixed-batch forward (the ``adapter_names`` keyword, one
-adapter per row) is where that would go: a batch key of the host, and each row's ``adapter``.
+generate() runs on it. The static batcher (``chat.batching``) keys batches by ``LoadedModel``, so
+requests for different adapters do not share a generate() call; the step loop (``chat.stepping``)
+runs them in one decoder step, each row through its own adapter (``Host.rows``: peft's mixed-batch
+forward, one adapter per row).
 
 Adapters are bounded by memory (``CHAT_ADAPTER_MEMORY_MB``, default 512 MiB: about 36 adapters of
 rank 8 on every projection of the 400M model, 18 of rank 16; a third of that model's fp32 weights):
