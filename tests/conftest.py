@@ -75,6 +75,7 @@ SLOW_TESTS = {
     "test_preference_bench_smoke",  # bench.train_preference's CPU smoke run (three CLI runs)
     "test_bench_smoke",
     "test_api_bench_smoke",  # starts python app.py
+    "test_serve_smoke_engine_and_app",  # starts python app.py (bench.chat_serve)
     "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)
     "test_32_clients_rating_at_once_each_find_their_row_exactly_once",
     "test_compare_through_the_launched_app",  # an app start-up
