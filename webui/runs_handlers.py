@@ -105,6 +105,13 @@ def base_name(record: index.RunRecord, names: dict[str, str]) -> str:
     return model_label(record.base) if record.base else ""
 
 
+def _data(record: index.RunRecord) -> str:
+    """The data and its rows: "sample (1423 train / 187 validation)"."""
+    if record.train_rows is None:
+        return record.data or ""
+    return f"{record.data or '?'} ({record.train_rows} train / {record.eval_rows or '?'} validation)"
+
+
 def row(record: index.RunRecord, names: dict[str, str]) -> list:
     s = record.settings
     # (a failure's message may name the server's folders: the runs root is said as "runs")
@@ -118,7 +125,7 @@ def row(record: index.RunRecord, names: dict[str, str]) -> list:
         _when(record.started),
         _duration(record.duration_s),
         base_name(record, names),
-        record.data or "",
+        _data(record),
         record.objective if record.settings else "",
         ("LoRA r" + str(s.get("lora_r", "?")) if record.adapter == "lora" else "full") if record.settings else "",
         "" if s.get("learning_rate") is None else f"{s['learning_rate']:g}",

@@ -88,6 +88,7 @@ def test_the_table_lists_every_folder_with_state_lineage_and_scores(view):
         "15.0",
     )
     assert by_run.loc["20261203-100000-aaaaaa", "context"] == "0.60"
+    assert by_run.loc["20261203-100000-aaaaaa", "data"] == "sample (1423 train / 187 validation)"
     assert "persona 13.5" in by_run.loc["20261203-100000-aaaaaa", "BLEU by kind"]
     assert "2 folder(s) are not readable runs" in runs.summary(found, found)
     # The Train tab's live view (the latest run the app launched) is not thrown by the corrupt run.json.
