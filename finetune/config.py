@@ -307,6 +307,11 @@ class TrainConfig:
                 raise ValueError("--preference_file needs --objective dpo or kto")
         elif self.preference_file is None:
             raise ValueError(f"--objective {self.objective} needs --preference_file (its preference rows)")
+        elif self.feedback_file is not None:  # (its rows would be read and never trained on)
+            raise ValueError(
+                f"--feedback_file rows are SFT rows, not mixed into an --objective {self.objective} run: "
+                "export the feedback as preference rows"
+            )
         if self.preference_validation_file is not None and self.preference_file is None:
             raise ValueError("--preference_validation_file needs --preference_file")
         if not self.beta > 0:  # (also refuses NaN)

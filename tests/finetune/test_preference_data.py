@@ -108,6 +108,10 @@ def test_tokenize_gives_each_reply_its_labels_and_fits_long_sources(tiny_tokeniz
         ({"objective": "kto", "preference_file": "p.jsonl", "beta": 0.0}, "--beta must be > 0"),
         ({"objective": "dpo", "preference_file": "p.jsonl", "sft_weight": -1.0}, "--sft_weight must be >= 0"),
         ({"preference_validation_file": "v.jsonl"}, "--preference_validation_file needs --preference_file"),
+        (
+            {"objective": "dpo", "preference_file": "p.jsonl", "feedback_file": "f.jsonl"},
+            "--feedback_file rows are SFT rows, not mixed into an --objective dpo run",
+        ),
     ],
 )
 def test_the_objective_flags_are_checked(changes, message):
