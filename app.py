@@ -33,6 +33,8 @@ from webui import (
     compare_tab,
     look,
     review_handlers,
+    runs_handlers,
+    runs_tab,
     server_state,
     train_handlers,
     train_tab,
@@ -100,6 +102,8 @@ def build_demo(
                 compare = compare_tab.build(engine, train, session, compare_page)
             with gr.Tab("Train") as train_page:
                 tab = train_tab.build(train, session)
+                services = runs_handlers.RunsServices(engine, train.auth, train.manager, train.refusals)
+                runs = runs_tab.build(services, session)
 
         # Public API: Client(url).predict(message, kind, context, api_name="/chat") -> (reply, model id).
         gr.api(chat_handlers.api_chat_fn(engine), api_name="chat")
@@ -117,6 +121,23 @@ def build_demo(
                 ),
                 visitor=visitor,
             )
+
+        # The runs view: a run served from it shows in the chat's picker and banner; one sent to
+        # Compare becomes its model B.
+        runs.served.success(
+            lambda: (chat_handlers.refresh_models(engine, train.manager.root), chat_handlers.serving_markdown(engine)),
+            None,
+            [chat.picker, status],
+            **PRIVATE,
+        )
+        runs.compared.success(
+            lambda spec: gr.update(
+                choices=chat_handlers.picker_choices(train.manager.root, current=engine.current.name), value=spec
+            ),
+            runs.chosen,
+            compare.pickers[1],
+            **PRIVATE,
+        )
 
         live = [tab.cache, *tab.live, chat.picker]
         # Poll only while the Train tab is shown: a page left on the chat costs the server nothing.

@@ -34,11 +34,12 @@ from chat.lora import ServedLoraLinear
 from chat.model import load_model, load_tokenizer, resolve
 
 
-def make_adapter(spec: str, r: int, root: Path) -> Path:
-    """A LoRA adapter of ``spec`` in peft's layout, as training writes one (``root/bench-lora/final``)."""
+def make_adapter(spec: str, r: int, root: Path, seed: int = 0, name: str = "bench-lora") -> Path:
+    """A LoRA adapter of ``spec`` in peft's layout, as training writes one (``root/NAME/final``);
+    each ``seed`` another one."""
     model = load_model(resolve(spec))
     fingerprint = model_fingerprint(model)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(LORA_TARGETS), init_lora_weights=False)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():  # small B: replies stay words, the cost is the same
@@ -46,7 +47,7 @@ def make_adapter(spec: str, r: int, root: Path) -> Path:
             if ".lora_B." in name:
                 param.mul_(0.01)
     peft_model.peft_config["default"].base_model_name_or_path = spec
-    final = root / "bench-lora" / FINAL
+    final = root / name / FINAL
     peft_model.save_pretrained(final, save_embedding_layers=False)  # (no Hub lookup of the base)
     load_tokenizer(resolve(spec)).save_pretrained(final)
     args = {"adapter": "lora", "lora_r": r, "source_prefix": BASE_PREFIX, "max_source_length": 128}

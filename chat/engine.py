@@ -36,6 +36,7 @@ from chat.loading import (  # loading lives there; BASE_PREFIX, load_checkpoint,
 from chat.model import ModelLoadError
 from chat.prompt import CONTROL_RE, KINDS, fit_source, format_context, neutralize
 from chat.serving import AdapterError, Models, adapter_dir, adapter_model, base_matches, canonical, mismatch, named_base
+from chat.stepping import make_batcher
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class ChatEngine:
         self._swap = threading.Lock()  # current, status and the base change together
         # Every generate() goes through the batcher's worker thread, which also serialises
         # CPU work so concurrent sessions don't fight over the cores.
-        self._batcher = batcher or Batcher()
+        self._batcher = batcher or make_batcher()
 
     @classmethod
     def start(cls, spec: str | None = None) -> ChatEngine:

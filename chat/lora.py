@@ -25,13 +25,32 @@ builds it wherever it would build its own Linear.
 
 from __future__ import annotations
 
+import contextvars
+import functools
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear
 
-from chat.optimize import Int8Linear
+from chat.optimize import Int8Linear, int8_call
 
 _PEFT = ("peft",)  # this layer's calls go through peft's forward
+BASE = "__base__"  # peft's name for a row that no adapter changes
+# Inside ``rows_of``: the adapter of each row of the batch (chat.stepping's mixed steps).
+_ROWS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("lora_rows", default=None)
+
+
+@contextmanager
+def rows_of(names: list[str | None]):
+    """Calls inside run row ``i`` of every input through adapter ``names[i]`` (None: the base
+    alone), whatever is active: peft's mixed-batch forward (``adapter_names``), which adds each
+    adapter's low-rank product to its own rows only, as S-LoRA and Punica do for decoder models."""
+    token = _ROWS.set(tuple(BASE if name is None else name for name in names))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
 
 
 class ServedLoraLinear(Linear):
@@ -50,9 +69,9 @@ class ServedLoraLinear(Linear):
         if not self.lean or self.merged:
             return _PEFT
         base = self.get_base_layer()
-        # An int8 layer is torch.ao's module in an nn.Linear shell: call the module itself (the
-        # shell's forward does nothing else; one Python call less on ~100 projections a step).
-        base = base.quantized if isinstance(base, Int8Linear) else base
+        # An int8 layer is torch.ao's module in an nn.Linear shell: call the module itself through
+        # int8_call (the shell's forward does nothing else; row by row inside rows_apart).
+        base = functools.partial(int8_call, base.quantized) if isinstance(base, Int8Linear) else base
         active = [name for name in self.active_adapters if name in self.lora_A]
         if self.disable_adapters or not active:
             return ("base", base)
@@ -101,6 +120,9 @@ class ServedLoraLinear(Linear):
         return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        rows = _ROWS.get()
+        if rows is not None and not args and not kwargs and len(rows) == len(x):
+            return super().forward(x, adapter_names=list(rows))
         plan = self.__dict__.get("_plan") or self._replan()
         kind = plan[0]
         if kind == "peft" or args or kwargs:

@@ -34,8 +34,9 @@ Full table and caveats: docs/cpu-inference-notes.md)
     ``quantize_dynamic`` is *deprecated* (torch.ao says to move to torchao's ``quantize_``) but
     present and working in torch 2.13 (its warnings are silenced here). Activations are quantized
     with one scale per call over the whole batch, so a row's result depends on the other rows:
-    batching different requests together changes their replies (chat/batching.py serves int8
-    requests alone). The quantized modules are read-only at inference: concurrent calls from several
+    batching different requests together in one call would change their replies: chat/batching.py
+    serves int8 requests alone, and chat.stepping's decoder steps quantize each row apart
+    (``rows_apart``). The quantized modules are read-only at inference: concurrent calls from several
     threads are safe, if slow (see below).
 
 ``num_threads`` sets ``torch.set_num_threads`` (process-wide) when given. torch's default (one
@@ -55,9 +56,11 @@ op, or torchao's ``Int8WeightOnlyConfig``: between bf16 and int8 on speed and ac
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import os
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -133,7 +136,7 @@ class Int8Linear(nn.Linear):
         return cls(DynamicLinear.from_float(mod, use_precomputed_fake_quant=use_precomputed_fake_quant))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quantized(x)
+        return int8_call(self.quantized, x)
 
     def int8_bytes(self) -> int:
         """Bytes of the packed int8 weight (biases and scales are small)."""
@@ -141,6 +144,31 @@ class Int8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 (dynamic)"
+
+
+# Inside ``rows_apart``: int8 layers quantize each row's activations on their own (chat.stepping).
+_ROWS_APART = contextvars.ContextVar("int8_rows_apart", default=False)
+
+
+@contextmanager
+def rows_apart():
+    """Int8 layers called inside quantize every row (first dimension) of their input with its own
+    scale: one call of torch's dynamic int8 kernel per row, each exactly the call that row makes
+    when served alone. (One call for the whole batch would scale all rows by the largest
+    activation of any: a reply would depend on the requests beside it.) The weights are then read
+    once per row, but everything else of a decoder step is shared by the batch."""
+    token = _ROWS_APART.set(True)
+    try:
+        yield
+    finally:
+        _ROWS_APART.reset(token)
+
+
+def int8_call(quantized: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``quantized(x)`` (torch.ao's dynamic int8 linear), row by row inside ``rows_apart``."""
+    if x.shape[0] > 1 and _ROWS_APART.get():
+        return torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])
+    return quantized(x)
 
 
 def _quantize_int8(model: nn.Module) -> None:

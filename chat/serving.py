@@ -7,9 +7,10 @@ MB and the base is never loaded again. The base keeps serving itself with no ada
 
 Which adapter answers is switched per batch, on the batcher's worker thread, in ``Host.serving``,
 under the host's lock, which attaching and unloading take too: nothing changes the model while a
-generate() runs on it. Requests for different adapters do not share a generate() call (the batcher
-keys batches by ``LoadedModel``); peft's mixed-batch forward (the ``adapter_names`` keyword, one
-adapter per row) is where that would go: a batch key of the host, and each row's ``adapter``.
+generate() runs on it. The static batcher (``chat.batching``) keys batches by ``LoadedModel``, so
+requests for different adapters do not share a generate() call; the step loop (``chat.stepping``)
+runs them in one decoder step, each row through its own adapter (``Host.rows``: peft's mixed-batch
+forward, one adapter per row).
 
 Adapters are bounded by memory (``CHAT_ADAPTER_MEMORY_MB``, default 512 MiB: about 36 adapters of
 rank 8 on every projection of the 400M model, 18 of rank 16; a third of that model's fp32 weights):
@@ -37,7 +38,7 @@ from safetensors.torch import load_file
 from chat.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_of, is_adapter_dir
 from chat.layout import FINAL
 from chat.loading import CheckpointError, LoadedModel, input_format, model_id, training_args
-from chat.lora import ServedLoraLinear
+from chat.lora import ServedLoraLinear, rows_of
 from chat.model import MODEL_PRESETS, load_tokenizer, resolve
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,21 @@ class Host:
                 set_adapter(self.model, [name] if name else [], inference_mode=True)
                 self._active = (name,)
             yield
+
+    @contextmanager
+    def rows(self, loadeds: list[LoadedModel]):
+        """Run the body (one decoder step of a batch, ``chat.stepping``) with row ``i`` answered as
+        ``loadeds[i]``: each through its own adapter (or none), attached again if unloaded."""
+        with self.lock:
+            for loaded in {id(x): x for x in loadeds}.values():
+                name = loaded.adapter
+                if name is not None:
+                    if name not in self._attached:
+                        log.info("attaching %s again", loaded.id)
+                        self.attach(loaded.folder, name, loaded.id, "its base")
+                    self._attached.move_to_end(name)
+            with rows_of([loaded.adapter for loaded in loadeds]):
+                yield
 
 
 def adapter_model(base: LoadedModel, folder: Path, public_id: str, named: str | None = None) -> LoadedModel:

@@ -19,7 +19,7 @@ import yaml
 
 from chat.adapters import ADAPTER_KINDS, LORA_TARGETS
 from chat.layout import DEFAULT_MODEL, is_hub_id
-from chat.model import ATTENTION
+from chat.model import ATTENTION, MODEL_PRESETS
 from finetune.preference import OBJECTIVES
 
 DEFAULT_DATASET = "smangrul/MuDoConv"
@@ -174,6 +174,11 @@ class TrainConfig:
     fast_ngram_blocking: bool = _doc(
         "Tensorized n-gram blocking (same bans as transformers' per-hypothesis loop, far faster).", default=True
     )
+    context_scorer: str | None = _doc(
+        "Model that scores the context score (eval_context_hits): a preset, Hub id or local model folder, fixed so "
+        "runs compare on one scale; default: the evaluated model.",
+        default=None,
+    )
     # --- optimisation
     per_device_train_batch_size: int | str = _doc(
         "Micro-batch per process, or 'auto': the largest that fits the GPU (finetune/memory.py; 8 without a GPU).",
@@ -252,6 +257,8 @@ class TrainConfig:
             raise ValueError(
                 f"--eval_attention must be one of {', '.join(EVAL_ATTENTION)}, got {self.eval_attention!r}"
             )
+        if self.context_scorer is not None:
+            self._check_scorer()
         if self.packing and self.pad_to_max_length:
             raise ValueError("--packing and --pad_to_max_length exclude each other: packed rows are never padded")
         if self.packing and self.attention == "sdpa-flash":
@@ -287,6 +294,11 @@ class TrainConfig:
         if not 0 <= self.lora_dropout < 1:  # (also refuses NaN)
             raise ValueError(f"--lora_dropout must be >= 0 and < 1, got {self.lora_dropout}")
 
+    def _check_scorer(self) -> None:
+        name = self.context_scorer = self.context_scorer.strip()
+        if name not in MODEL_PRESETS and not (Path(name) / "config.json").is_file() and not is_hub_id(name):
+            raise ValueError(f"--context_scorer must be a preset, a Hub id or a model folder, got {name!r}")
+
     def _check_objective(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
@@ -311,6 +323,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def tracker_config(self) -> dict:
+        """The settings as trackers take them: set ones only, lists as text (TensorBoard's hparams
+        refuse a tuple such as lora_target_modules)."""
+        return {k: ",".join(v) if isinstance(v, tuple) else v for k, v in self.to_dict().items() if v is not None}
 
 
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_fused")

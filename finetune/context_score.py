@@ -76,15 +76,20 @@ def reply_scores(model, tokenizer, sources: list[str], replies: list[str], cfg, 
 
 
 def hits(
-    model, tokenizer, sources: list[str], replies: list[str], cfg, k: int = DEFAULT_K, seed: int = 0
+    model, tokenizer, sources: list[str], replies: list[str], cfg, k: int = DEFAULT_K, seed: int = 0, score=None
 ) -> list[tuple[str, float]]:
     """(kind, hit) for every row that has candidates: 1 when its true context scores ``replies[i]``
-    highest of the k + 1, 1/n when n candidates tie for the highest with it, else 0."""
+    highest of the k + 1, 1/n when n candidates tie for the highest with it, else 0. ``score``
+    (sources, replies) -> log-probabilities replaces ``reply_scores`` on ``model`` (evaluation
+    spreads the rows over its processes)."""
     groups = candidates(sources, k, seed)
     rows = [i for i, group in enumerate(groups) if group is not None]
     flat_sources = [s for i in rows for s in groups[i]]
     flat_replies = [replies[i] for i in rows for _ in range(k + 1)]
-    scores = reply_scores(model, tokenizer, flat_sources, flat_replies, cfg)
+    if score is None:
+        scores = reply_scores(model, tokenizer, flat_sources, flat_replies, cfg)
+    else:
+        scores = score(flat_sources, flat_replies)
     out = []
     for n, i in enumerate(rows):
         true, *others = scores[n * (k + 1) : (n + 1) * (k + 1)]
@@ -108,12 +113,14 @@ def summarize(found: list[tuple[str, float]], suffix: str = "") -> dict:
     return out
 
 
-def context_score(model, tokenizer, sources, predictions, references, cfg, k: int = DEFAULT_K, seed: int = 0) -> dict:
+def context_score(
+    model, tokenizer, sources, predictions, references, cfg, k: int = DEFAULT_K, seed: int = 0, score=None
+) -> dict:
     """The figures evaluation reports: hits for the generated replies and, as the ceiling, for
-    the dataset's own (``_gold``), and the chance level 1 / (k + 1)."""
-    figures = summarize(hits(model, tokenizer, sources, predictions, cfg, k, seed))
+    the dataset's own (``_gold``), and the chance level 1 / (k + 1). ``score``: as for ``hits``."""
+    figures = summarize(hits(model, tokenizer, sources, predictions, cfg, k, seed, score))
     if not figures:
         return {}
-    figures.update(summarize(hits(model, tokenizer, sources, references, cfg, k, seed), "_gold"))
+    figures.update(summarize(hits(model, tokenizer, sources, references, cfg, k, seed, score), "_gold"))
     figures["eval_context_chance"] = 1 / (k + 1)
     return figures

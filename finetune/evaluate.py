@@ -12,7 +12,9 @@ import torch
 from tqdm.auto import tqdm
 
 from chat.fastgen import fast_kwargs, grouped_beams
+from chat.model import load_model, load_tokenizer
 from chat.prompt import KINDS, kind_of
+from finetune.context_score import context_score, reply_scores
 from finetune.packing import steady_attention
 
 log = logging.getLogger(__name__)
@@ -65,19 +67,22 @@ def _decode(tokenizer, ids: torch.Tensor, keep_structure: bool = False) -> list[
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False, should_stop=None) -> dict | None:
-    """Return eval_loss, eval_bleu, eval_seconds, (prompt, prediction, reference) samples, and
-    eval_bleu_<kind> / eval_rows_<kind> for each kind of dialogue present (``bleu_by_kind``).
+def evaluate(
+    accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False, should_stop=None, context: bool = True
+) -> dict | None:
+    """Return eval_loss, eval_bleu, eval_seconds, (prompt, prediction, reference) samples,
+    eval_bleu_<kind> / eval_rows_<kind> for each kind of dialogue present (``bleu_by_kind``) and
+    the context score of the generated replies (``context_figures``: eval_context_*).
 
     ``should_stop`` (a callable) is polled before each batch, collectively so all ranks agree;
-    when it says stop, evaluation ends early and returns None.
+    when it says stop, evaluation ends early and returns None. ``context``: False skips the context score.
     """
     model.eval()
     start = time.perf_counter()
     generator = accelerator.unwrap_model(model)
     kwargs = generation_kwargs(cfg)
     pad = tokenizer.pad_token_id
-    predictions, references, kinds, samples, losses = [], [], [], [], []
+    predictions, references, sources, kinds, samples, losses = [], [], [], [], [], []
     # A bar on a terminal only: in a log file (the app's train.log) its redraws would be noise.
     bar = accelerator.is_local_main_process and sys.stderr.isatty()
     for step, batch in enumerate(tqdm(dataloader, desc="evaluating", disable=not bar)):
@@ -107,10 +112,14 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
         predictions += preds
         references += refs
         prompts = _decode(tokenizer, inputs, keep_structure=True)  # (cheap next to generating)
+        sources += [without_prefix(prompt, cfg.source_prefix) for prompt in prompts]
         kinds += [source_kind(prompt, cfg.source_prefix) for prompt in prompts]
         if step < cfg.n_val_batch_generations:
             samples += [dict(prompt=p, prediction=y, reference=r) for p, y, r in zip(prompts, preds, refs)]
     bleu = sacrebleu.corpus_bleu(predictions, [references]).score
+    context = (
+        context_figures(accelerator, generator, tokenizer, sources, predictions, references, cfg) if context else {}
+    )
     model.train()
     return dict(
         eval_bleu=bleu,
@@ -119,18 +128,77 @@ def evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3: bool = False
         eval_seconds=time.perf_counter() - start,
         samples=samples,
         **bleu_by_kind(predictions, references, kinds, whole=bleu),
+        **context,
     )
 
 
-def source_kind(prompt: str, source_prefix: str) -> str:
-    """The kind of a decoded encoder input (prefix + source; decoding may lose edge spaces)."""
+def without_prefix(prompt: str, source_prefix: str) -> str:
+    """The source of a decoded encoder input (prefix + source; decoding may lose edge spaces)."""
     text, prefix = prompt.strip(), source_prefix.strip()
     if prefix and text.startswith(prefix):
         text = text[len(prefix) :].lstrip()
+    return text
+
+
+def source_kind(prompt: str, source_prefix: str) -> str:
+    """The kind of a decoded encoder input (prefix + source)."""
     try:
-        return kind_of(text)
+        return kind_of(without_prefix(prompt, source_prefix))
     except ValueError:
         return OTHER_KIND
+
+
+_SCORERS: dict[str, tuple] = {}  # --context_scorer name -> (model, tokenizer), loaded once per process
+
+
+def _scorer(cfg, generator, tokenizer, device) -> tuple:
+    """The context score's model and tokenizer: ``--context_scorer``'s (in eval mode, on ``device``)
+    or the evaluated model's own."""
+    name = getattr(cfg, "context_scorer", None)
+    if not name:
+        return generator, tokenizer
+    if name not in _SCORERS:
+        dtype = next(generator.parameters()).dtype  # the evaluated model's (bf16 on GPUs)
+        _SCORERS[name] = (load_model(name).to(device=device, dtype=dtype).eval(), load_tokenizer(name))
+    return _SCORERS[name]
+
+
+def context_figures(accelerator, generator, tokenizer, sources, predictions, references, cfg) -> dict:
+    """``context_score.context_score`` of the generated replies (and of the references, its
+    ceiling) with eval_context_seconds, its share of the evaluation's time. Every process holds
+    every row (gathered for BLEU); each scores an equal slice of the (row, candidate) pairs, so
+    ZeRO-3's sharded forwards line up, and the scores are gathered back. {} without contexts."""
+    start = time.perf_counter()
+    model, scorer_tokenizer = _scorer(cfg, generator, tokenizer, accelerator.device)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    batch = max(64, cfg.per_device_eval_batch_size)  # one forward, no generation: the eval batch fits
+
+    def score(flat_sources: list[str], flat_replies: list[str]) -> list[float]:
+        n = len(flat_sources)
+        if n == 0:
+            return []
+        per = -(-n // world)  # every process scores the same number of pairs (the last ones padded)
+        mine = list(range(rank * per, (rank + 1) * per))
+        picked = [i if i < n else 0 for i in mine]
+        own = reply_scores(
+            model,
+            scorer_tokenizer,
+            [flat_sources[i] for i in picked],
+            [flat_replies[i] for i in picked],
+            cfg,
+            batch_size=batch,
+        )
+        if world == 1:
+            return own[:n]
+        gathered = accelerator.gather(torch.tensor(own, device=accelerator.device, dtype=torch.float32))
+        return gathered.cpu().tolist()[:n]
+
+    if not sources:
+        return {}
+    figures = context_score(model, scorer_tokenizer, sources, predictions, references, cfg, score=score)
+    if figures:
+        figures["eval_context_seconds"] = time.perf_counter() - start
+    return figures
 
 
 def bleu_by_kind(predictions: list[str], references: list[str], kinds: list[str], whole: float | None = None) -> dict:
@@ -158,7 +226,7 @@ def evaluate_all(accelerator, model, loaders, tokenizer, cfg, zero3=False, shoul
     results = evaluate(accelerator, model, dataloader, tokenizer, cfg, zero3=zero3, should_stop=should_stop)
     if results is None or feedback_dl is None:
         return results
-    held = evaluate(accelerator, model, feedback_dl, tokenizer, cfg, zero3=zero3, should_stop=should_stop)
+    held = evaluate(accelerator, model, feedback_dl, tokenizer, cfg, zero3, should_stop, context=False)
     if held is None:
         return None
     results.update(
@@ -171,7 +239,8 @@ def evaluate_all(accelerator, model, loaders, tokenizer, cfg, zero3=False, shoul
 
 
 def scores(results: dict) -> dict:
-    """The figures of an evaluation beyond eval_bleu / eval_loss: per kind, held-out feedback and
-    held-out preference rows (eval_pref_*: finetune.preference_train) (the keys metrics.jsonl,
-    all_results.json and the model card carry beside eval_bleu)."""
-    return {k: v for k, v in results.items() if k.startswith(("eval_bleu_", "eval_rows_", "eval_loss_", "eval_pref_"))}
+    """The figures of an evaluation beyond eval_bleu / eval_loss: per kind, held-out feedback, the
+    context score and held-out preference rows (eval_pref_*: finetune.preference_train): the keys
+    metrics.jsonl, all_results.json, the trackers and the model card carry beside eval_bleu."""
+    prefixes = ("eval_bleu_", "eval_rows_", "eval_loss_", "eval_context_", "eval_pref_")
+    return {k: v for k, v in results.items() if k.startswith(prefixes)}

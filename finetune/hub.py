@@ -70,7 +70,7 @@ def write_model_card(folder: Path, cfg, results: dict, world_size: int, adapter_
 {_feedback_lines(cfg, results)}{_preference_lines(cfg, results)}- Hardware: {hardware()}, {world_size} process(es)
 - Input format: `{cfg.source_prefix}` + the MuDoConv source (see `training_args.json`)
 
-{_kind_table(results)}Trained with:
+{_kind_table(results)}{_context_lines(results)}Trained with:
 
 ```
 {command}
@@ -140,6 +140,24 @@ def _kind_table(results: dict) -> str:
         f"| {k} | {_round(results[f'eval_bleu_{k}'])} | {results.get(f'eval_rows_{k}', '?')} |\n" for k in kinds
     )
     return f"BLEU by kind (validation rows):\n\n| kind | sacreBLEU | rows |\n| --- | ---: | ---: |\n{rows}\n"
+
+
+def _context_lines(results: dict) -> str:
+    """The context score (finetune/context_score.py): does a reply depend on the context it was given?"""
+    if results.get("eval_context_hits") is None:
+        return ""
+    kinds = ", ".join(
+        f"{k} {results[f'eval_context_hits_{k}']:.2f}"
+        for k in (*KINDS, OTHER_KIND)
+        if f"eval_context_hits_{k}" in results
+    )
+    return (
+        f"Context score (the true context gives the generated reply the highest likelihood of "
+        f"{round(1 / results['eval_context_chance']) if results.get('eval_context_chance') else '?'} candidates): "
+        f"**{results['eval_context_hits']:.2f}** on {results.get('eval_context_rows', '?')} rows ({kinds}); "
+        f"chance {_round(results.get('eval_context_chance'))}, the dataset's own replies "
+        f"{_round(results.get('eval_context_hits_gold'))}.\n\n"
+    )
 
 
 def _scrub(text: str) -> str:

@@ -79,8 +79,14 @@ class Preferences:
     reference_dl: DataLoader | None = None  # the train rows in order, prepared (sharded)
     held_dl: DataLoader | None = None  # prepared; None without held-out rows
     start: dict = field(default_factory=dict)  # start_eval_bleu, start_eval_pref_accuracy, ...
+    auto_batch: bool = False  # --per_device_train_batch_size auto: sized for SFT rows
 
     def train_loader(self, cfg, **loader_kwargs) -> DataLoader:
+        """Shuffled preference batches, seeded. An 'auto' batch (finetune.memory sizes it for SFT
+        rows) is halved: each row's forward runs two replies."""
+        if self.auto_batch:
+            cfg.per_device_train_batch_size = max(1, cfg.per_device_train_batch_size // 2)
+            log.info(f"preference batches of {cfg.per_device_train_batch_size} rows ('auto' halved: two replies a row)")
         return DataLoader(
             self.train,
             batch_size=cfg.per_device_train_batch_size,
@@ -202,7 +208,10 @@ def load(cfg, tokenizer) -> Preferences | None:
     def collator(rows: Dataset) -> WithReference:
         return WithReference(PreferenceCollator(pad), cfg.objective, torch.full((len(rows), 2), float("nan")))
 
-    return Preferences(cfg.objective, cfg.beta, cfg.sft_weight, train, held, collator(train), collator(held))
+    auto = cfg.per_device_train_batch_size == "auto"
+    return Preferences(
+        cfg.objective, cfg.beta, cfg.sft_weight, train, held, collator(train), collator(held), auto_batch=auto
+    )
 
 
 def start_evaluation(run) -> None:

@@ -259,7 +259,7 @@ def begin(run: Run) -> None:
     # block running the same command again (check_output_dir).
     run.profiler = start_profiler(cfg.profile_dir) if cfg.profile_dir and run.main else None
     if cfg.with_tracking:
-        acc.init_trackers(cfg.report_name, config={k: v for k, v in cfg.to_dict().items() if v is not None})
+        acc.init_trackers(cfg.report_name, config=cfg.tracker_config())
     global_batch = cfg.per_device_train_batch_size * acc.num_processes * cfg.gradient_accumulation_steps
     run.metrics.write(
         "start",

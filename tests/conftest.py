@@ -39,6 +39,7 @@ def tiny_tokenizer(tiny_path):
 # `make fast` (pytest -m "not slow") skips them for development; CI runs everything.
 SLOW_MODULES = {
     "test_train.py",
+    "test_context_eval.py",  # evaluations of the demo model, a CLI run with a tracker
     "test_checkpoints.py",
     "test_lora_training.py",  # LoRA adapters: ZeRO-2 on 2 processes, resume, merge, continue
     "test_preference_training.py",  # DPO/KTO from the demo model: ZeRO-2 on 2 processes, LoRA, resume
@@ -49,6 +50,7 @@ SLOW_MODULES = {
     "test_app_train.py",
     "test_browser.py",
     "test_browser_train.py",  # the Train tab in a browser, desktop and phone, two tiny runs
+    "test_browser_runs.py",  # the runs view: three CLI runs, listed, overlaid, served, deleted
     "test_browser_lora.py",  # a LoRA adapter trained from the Train tab, desktop and phone
     "test_browser_loop.py",  # issue 13's loop: chat, correct, accept, retrain, compare, vote
     "test_browser_chat.py",  # the Chat tab at desktop and phone sizes
@@ -73,6 +75,7 @@ SLOW_TESTS = {
     "test_preference_bench_smoke",  # bench.train_preference's CPU smoke run (three CLI runs)
     "test_bench_smoke",
     "test_api_bench_smoke",  # starts python app.py
+    "test_serve_smoke_engine_and_app",  # starts python app.py (bench.chat_serve)
     "test_served_app_rates_and_corrects_through_the_chat_events",  # an app start-up (test_feedback_chat.py)
     "test_32_clients_rating_at_once_each_find_their_row_exactly_once",
     "test_compare_through_the_launched_app",  # an app start-up

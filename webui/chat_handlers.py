@@ -26,9 +26,9 @@ from chat.engine import (
     GenerationSettings,
     InputError,
 )
-from chat.layout import DEFAULT_MODEL, DEMO_DIR, ROOT, is_hub_id, list_finals
+from chat.layout import DEFAULT_MODEL, DEMO_DIR, ROOT, is_hub_id
 from chat.prompt import KINDS
-from chat.serving import list_adapter_finals
+from finetune.jobs.index import list_runs
 from finetune.jobs.paths import runs_root
 from finetune.jobs.status import saved_results
 from finetune.measure import describe
@@ -357,8 +357,12 @@ def serving_markdown(engine: ChatEngine, loaded=None) -> str:
     return f"✅ **Serving {model_label(loaded.name)}** ({detail})"
 
 
-def _checkpoint_label(final: Path, serving: str | None = None) -> str:
+def _checkpoint_label(final: Path, serving: str | None = None, record=None) -> str:
     label = with_bleu(model_label(str(final)), str(final), serving)
+    if record is not None and record.context_hits is not None:
+        label += f" · context {record.context_hits:.2f}"
+    if record is not None and record.label:  # the name given in the runs view
+        label = f"{record.label} · {label}"
     return label + time.strftime(" · %Y-%m-%d %H:%M", time.localtime(final.stat().st_mtime))
 
 
@@ -371,8 +375,10 @@ def picker_choices(
     demo = str(DEMO_DIR)
     choices = [(f"{model_label(base)} (base model)", base), (with_bleu(model_label(demo), demo, current), demo)]
     root = root if root is not None else runs_root()
-    finals = sorted([*list_finals(root), *list_adapter_finals(root)], key=lambda p: p.stat().st_mtime, reverse=True)
-    choices += [(_checkpoint_label(p, current), str(p)) for p in finals]
+    # The runs view's index: the finished runs, with their names and scores.
+    runs = {r.final_dir: r for r in list_runs(root) if r.final_dir}
+    finals = sorted(map(Path, runs), key=lambda p: p.stat().st_mtime, reverse=True)
+    choices += [(_checkpoint_label(p, current, runs[str(p)]), str(p)) for p in finals]
     seen, unique = set(), []
     for label, spec in choices:
         key = str(Path(spec).resolve()) if Path(spec).exists() else spec

@@ -9,10 +9,11 @@ handlers by those names, so the layout is free to arrange them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import gradio as gr
 
-from webui import auth, review_tab, train_lora, train_objective
+from webui import auth, review_tab, train_form, train_objective
 from webui import train_handlers as handlers
 from webui import train_preflight as preflight
 from webui import train_view as view
@@ -90,14 +91,39 @@ class TrainParts:
 
 
 def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
-    """The tab's components and events (call inside ``gr.Tab``); returns the parts that app.py
-    wires to the chat tab and the page: live outputs, timer, action events."""
-
+    """The tab's components and events (call inside ``gr.Tab``), section by section; returns the parts
+    that app.py wires to the chat tab and the page: live outputs, timer, action events."""
     defaults = handlers.default_form(train)
     uploads = gr.State(handlers.Uploads())  # validated copies' paths, server-side
     cache = gr.State(None)  # what this page shows, to send only changes
-
     gr.Markdown(INTRO)
+    ui = login_section(train)
+    ui.review = review_tab.build(train)  # the chat's feedback, to accept before training on it
+    ui.__dict__.update(train_form.form_section(train, defaults).__dict__)  # "New run"
+    ui.__dict__.update(controls_section(train, defaults).__dict__)
+    ui.__dict__.update(live_section().__dict__)
+    ui.__dict__.update(push_section().__dict__)
+    gr.HTML(CSS, elem_id="train-css", padding=False, js_on_load=PAGE_JS)
+    timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
+    view.connect_pref(train, timer, ui.pref)  # DPO / KTO runs: held-out preference accuracy
+    connect_login(train, session, ui)
+    actions = connect_actions(train, session, uploads, ui)
+    connect_form(train, session, ui)
+    return TrainParts(
+        auth=ui.auth_md,
+        cache=cache,
+        timer=timer,
+        actions=actions,
+        live=[ui.run, ui.loss, ui.bleu, ui.samples, ui.log_tail, ui.action, ui.form["model_name_or_path"]],
+        review=ui.review.panel,
+    )
+
+
+# --------------------------------------------------------------------------- sections (layout)
+
+
+def login_section(train: TrainTab) -> SimpleNamespace:
+    """The login line, the password row (a password login) or the Hub login button, the hardware."""
     auth_md = gr.Markdown(auth.login_markdown(train.auth, None), elem_id="train-auth")
     with gr.Row(visible=bool(train.auth.password)):
         password = gr.Textbox(
@@ -115,164 +141,12 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     if train.auth.oauth:
         gr.LoginButton()
     gr.Markdown(handlers.hardware_note(train.gpus))
+    return SimpleNamespace(auth_md=auth_md, password=password, login=login, logout=logout, login_note=login_note)
 
-    review = review_tab.build(train)  # the chat's feedback, to accept before training on it
-    form = {}  # FORM_FIELDS name -> component
-    # Locked (not interactive) until a login: the page-state event below unlocks them.
+
+def controls_section(train: TrainTab, defaults: dict) -> SimpleNamespace:
+    """The pre-flight estimate, why the controls are locked, Start / Stop / Resume / Show command."""
     locked = {"interactive": False}
-    with gr.Accordion("New run", open=True):
-        with gr.Row():
-            form["model_name_or_path"] = gr.Dropdown(
-                handlers.base_model_choices(train),
-                value=defaults["model_name_or_path"],
-                allow_custom_value=True,
-                label="Base model",
-                scale=2,
-                elem_id="train-model",
-                info="A preset, a Hub model id, or a finished run to continue from.",
-                **locked,
-            )
-            form["data_source"] = gr.Radio(
-                handlers.DATA_SOURCES, value=defaults["data_source"], label="Data", elem_id="train-data", **locked
-            )
-            form["hub_dataset"] = gr.Textbox(
-                defaults["hub_dataset"],
-                label="Hub dataset id",
-                max_length=200,
-                visible=False,
-                info="train/validation splits, texts/labels columns",
-                **locked,
-            )
-        form.update(train_lora.build(defaults, locked))  # full fine-tuning or a LoRA adapter
-        objective, preference_counts = train_objective.build(defaults, locked)  # SFT, DPO or KTO
-        form.update(objective)
-        with gr.Row(elem_classes="train-pair"):
-            form["use_feedback"] = gr.Checkbox(
-                defaults["use_feedback"],
-                label="Add accepted chat feedback",
-                info="the rows accepted under Feedback from the chat (above), exported at Start",
-                elem_id="train-feedback",
-                **locked,
-            )
-            form["feedback_ratio"] = gr.Slider(
-                0.05,
-                1,
-                value=defaults["feedback_ratio"],
-                step=0.05,
-                label="Share of feedback rows (1 = feedback only)",
-                visible=False,
-                elem_id="train-feedback-ratio",
-                **locked,
-            )
-        # What the share makes of the accepted rows in an epoch (how many times each is repeated).
-        mix = gr.Markdown(visible=defaults["use_feedback"], elem_id="train-feedback-mix")
-        with gr.Row(visible=False) as upload_row:
-            train_file = gr.File(
-                label="Training file (.jsonl/.json/.csv/.parquet)",
-                file_types=list(handlers.UPLOAD_TYPES),
-                elem_id="train-file",
-                **locked,
-            )
-            val_file = gr.File(
-                label="Validation file (optional: else the last 10% of the training rows)",
-                file_types=list(handlers.UPLOAD_TYPES),
-                elem_id="train-val-file",
-                **locked,
-            )
-        preview = gr.Markdown(elem_id="train-preview", visible=False)  # an upload's rows, or why it was refused
-        with gr.Row(elem_classes="train-pair"):
-            form["n_train"] = gr.Number(
-                defaults["n_train"], precision=0, label="Train rows (0 = all)", elem_id="train-n-train", **locked
-            )
-            form["n_val"] = gr.Number(
-                defaults["n_val"], precision=0, label="Validation rows (0 = all)", elem_id="train-n-val", **locked
-            )
-            form["num_train_epochs"] = gr.Number(
-                defaults["num_train_epochs"], precision=0, label="Epochs", elem_id="train-epochs", **locked
-            )
-            form["learning_rate"] = gr.Number(defaults["learning_rate"], label="Learning rate", **locked)
-        with gr.Accordion("More settings: batches, lengths, strategy, logging, Hub", open=False, elem_id="train-more"):
-            with gr.Row(elem_classes="train-pair"):
-                form["per_device_train_batch_size"] = gr.Textbox(
-                    str(defaults["per_device_train_batch_size"]),
-                    label=preflight.BATCH_LABEL,
-                    info="a number, or auto: the largest that fits the GPU (8 on the CPU)",
-                    max_length=12,
-                    elem_id="train-batch",
-                    **locked,
-                )
-                form["per_device_eval_batch_size"] = gr.Number(
-                    defaults["per_device_eval_batch_size"], precision=0, label="Eval batch", **locked
-                )
-                form["max_source_length"] = gr.Number(
-                    defaults["max_source_length"], precision=0, label="Max source tokens", **locked
-                )
-                form["max_target_length"] = gr.Number(
-                    defaults["max_target_length"], precision=0, label="Max target tokens", **locked
-                )
-                form["source_prefix"] = gr.Textbox(
-                    defaults["source_prefix"], label="Source prefix", max_length=100, **locked
-                )
-            with gr.Row():
-                form["strategy"] = gr.Radio(
-                    handlers.STRATEGY_CHOICES,
-                    value=defaults["strategy"],
-                    label="Strategy",
-                    info="On the CPU: ZeRO-2 on 2 processes",
-                    **locked,
-                )
-                form["precision"] = gr.Radio(
-                    handlers.PRECISION_CHOICES,
-                    value=defaults["precision"],
-                    label="Precision",
-                    info="GPU only; the CPU trains in fp32",
-                    **locked,
-                )
-                if train.gpus:
-                    form["num_gpus"] = gr.Slider(
-                        0, train.gpus, value=defaults["num_gpus"], step=1, label="GPUs (0: CPU)", **locked
-                    )
-                else:  # nothing to choose: never unlocked
-                    form["num_gpus"] = gr.Number(
-                        defaults["num_gpus"],
-                        precision=0,
-                        interactive=False,
-                        label="GPUs",
-                        info="none detected: the CPU",
-                    )
-            with gr.Row(elem_classes="train-pair"):
-                form["checkpointing_steps"] = gr.Number(
-                    defaults["checkpointing_steps"],
-                    precision=0,
-                    label="Checkpoint every N steps (0 = each epoch)",
-                    **locked,
-                )
-                form["logging_steps"] = gr.Number(
-                    defaults["logging_steps"],
-                    precision=0,
-                    label="Log loss every N steps",
-                    elem_id="train-logging",
-                    **locked,
-                )
-                form["num_beams"] = gr.Number(
-                    defaults["num_beams"], precision=0, label="Eval beams", elem_id="train-beams", **locked
-                )
-            with gr.Row(elem_classes="train-pair"):
-                form["push_to_hub"] = gr.Checkbox(defaults["push_to_hub"], label="Push to the Hub when done", **locked)
-                form["hub_model_id"] = gr.Textbox(
-                    defaults["hub_model_id"],
-                    label="Hub repo id",
-                    placeholder="user/my-chat-e",
-                    max_length=200,
-                    **locked,
-                )
-                form["hub_private"] = gr.Checkbox(defaults["hub_private"], label="Private repo", **locked)
-    form_inputs = handlers.form_inputs(form)  # passed by name (inputs_kwargs), in FORM_FIELDS order for API clients
-    # The numbers have no gradio minimum: gradio's own check refused with "Value -1 is less than minimum
-    # value 1." (no field named) and a traceback in the log. The run's spec checks every value and
-    # its messages name the field as the form labels it (train_handlers.in_form_words).
-    train.form_labels = {name: component.label for name, component in form.items()}
-
     # What the run will need (memory per GPU, time per epoch), and why Start will refuse a batch too big.
     estimate = gr.Markdown(
         handlers.preflight_markdown(train, {name: defaults[name] for name in preflight.FIELDS}),
@@ -295,6 +169,20 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         visible=False,
         elem_id="train-command",
     )
+    return SimpleNamespace(
+        estimate=estimate,
+        lock_note=lock_note,
+        start=start,
+        stop=stop,
+        resume=resume,
+        show=show,
+        action=action,
+        command=command,
+    )
+
+
+def live_section() -> SimpleNamespace:
+    """What the latest run shows: its text, loss and BLEU plots, log tail, sample replies."""
     run = gr.Markdown(elem_id="train-run")
     with gr.Row():
         loss = gr.LinePlot(
@@ -334,6 +222,12 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
             column_widths=["50%", "25%", "25%"],
             elem_id="train-samples",
         )
+    return SimpleNamespace(run=run, loss=loss, bleu=bleu, pref=pref, log_tail=log_tail, samples=samples)
+
+
+def push_section() -> SimpleNamespace:
+    """Push the finished run to the Hub (repo, private, merged LoRA)."""
+    locked = {"interactive": False}
     with gr.Accordion("Push the finished run to the Hub", open=False, elem_id="train-push-panel"):
         with gr.Row(elem_id="train-push-row", elem_classes="train-push-row"):
             push_repo = gr.Textbox(
@@ -344,16 +238,23 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
                 False, label="Merge LoRA into base", scale=1, elem_id="train-push-merged", **locked
             )
             push = gr.Button("Push to Hub", scale=1, elem_id="train-push", **locked)
-    gr.HTML(CSS, elem_id="train-css", padding=False, js_on_load=PAGE_JS)
-    timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
-    view.connect_pref(train, timer, pref)
-    unlocked = [*(c for name, c in form.items() if name != "num_gpus" or train.gpus), train_file, val_file]
-    unlocked += [start, stop, resume, push_repo, push_private, push_merged, push]
+    return SimpleNamespace(push_repo=push_repo, push_private=push_private, push_merged=push_merged, push=push)
 
-    # ---- events: each handler checks the login itself (train_handlers / webui.auth)
-    # A refusal raises gr.Error (what API clients get) and is noted for the page: each event's
-    # .failure step shows it in the line under its buttons (webui.refusals).
+
+# --------------------------------------------------------------------------- sections (events)
+
+
+def _unlocked(train: TrainTab, ui: SimpleNamespace) -> list:
+    """The controls a login unlocks."""
+    unlocked = [*(c for name, c in ui.form.items() if name != "num_gpus" or train.gpus), ui.train_file, ui.val_file]
+    return unlocked + [ui.start, ui.stop, ui.resume, ui.push_repo, ui.push_private, ui.push_merged, ui.push]
+
+
+def connect_login(train: TrainTab, session: gr.BrowserState, ui: SimpleNamespace) -> None:
+    """Log in (not queued) and out."""
+    password, login_note, auth_md = ui.password, ui.login_note, ui.auth_md
     noted, show_refusal = train.refusals.noted, train.refusals.show
+    quiet = {"queue": False, "show_progress": "hidden", **PRIVATE}
 
     @noted
     def do_login(token, typed, request: gr.Request):
@@ -364,6 +265,26 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     def do_logout(token):
         auth.logout(train.auth, token)
         return None, auth.login_markdown(train.auth, None)
+
+    for trigger in (ui.login.click, password.submit):
+        # Not queued: a flood of wrong passwords takes no place in the queue that chat replies use,
+        # and a refused login returns at once (auth.Throttle), holding nothing.
+        attempt = trigger(do_login, [session, password], [session, auth_md, password], api_name="train_login", **quiet)
+        attempt.success(lambda: "", None, login_note, **quiet)
+        attempt.failure(show_refusal, None, login_note, **quiet)
+    ui.logout.click(do_logout, session, [session, auth_md], api_name="train_logout", queue=False, **PRIVATE)
+
+
+def connect_actions(train: TrainTab, session: gr.BrowserState, uploads: gr.State, ui: SimpleNamespace) -> list:
+    """Uploads, Start / Stop / Resume / Push (returned: app.py redraws after each) and Show command."""
+    form, form_inputs, action, command = ui.form, ui.form_inputs, ui.action, ui.command
+    start, stop, resume, show, push = ui.start, ui.stop, ui.resume, ui.show, ui.push
+    push_repo, push_private, push_merged = ui.push_repo, ui.push_private, ui.push_merged
+    train_file, val_file, preview = ui.train_file, ui.val_file, ui.preview
+    # ---- events: each handler checks the login itself (train_handlers / webui.auth)
+    # A refusal raises gr.Error (what API clients get) and is noted for the page: each event's
+    # .failure step shows it in the line under its buttons (webui.refusals).
+    noted, show_refusal = train.refusals.noted, train.refusals.show
 
     def upload(which):
         def handler(token: str | None, profile: gr.OAuthProfile | None, current, file, prefix):
@@ -392,13 +313,6 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
 
     one_at_a_time = {"concurrency_limit": 1, "concurrency_id": "train"}
     quiet = {"queue": False, "show_progress": "hidden", **PRIVATE}
-    for trigger in (login.click, password.submit):
-        # Not queued: a flood of wrong passwords takes no place in the queue that chat replies use,
-        # and a refused login returns at once (auth.Throttle), holding nothing.
-        attempt = trigger(do_login, [session, password], [session, auth_md, password], api_name="train_login", **quiet)
-        attempt.success(lambda: "", None, login_note, **quiet)
-        attempt.failure(show_refusal, None, login_note, **quiet)
-    logout.click(do_logout, session, [session, auth_md], api_name="train_logout", queue=False, **PRIVATE)
     for file, which in ((train_file, "train"), (val_file, "validation")):
         for trigger in (file.upload, file.clear):
             trigger(
@@ -435,6 +349,14 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     show.click(lambda: gr.update(visible=True), None, command, queue=False, show_progress="hidden", **PRIVATE).then(
         do_show, uploads, command, inputs_kwargs=form_inputs, api_name="train_command", queue=False, **PRIVATE
     )
+    return actions
+
+
+def connect_form(train: TrainTab, session: gr.BrowserState, ui: SimpleNamespace) -> None:
+    """What the form does as it changes (data source, feedback, pre-flight, learning rate), the
+    review panel, and the controls' lock at each page load, login and logout."""
+    form, upload_row, preview, mix, review = ui.form, ui.upload_row, ui.preview, ui.mix, ui.review
+    estimate, lock_note, unlocked = ui.estimate, ui.lock_note, _unlocked(train, ui)
     form["data_source"].change(
         lambda source: (gr.update(visible=source == "hub"), *[gr.update(visible=source == "upload")] * 2),
         form["data_source"],
@@ -463,7 +385,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         **PRIVATE,
     )
     review_tab.connect(review, train, session, form["source_prefix"])
-    train_objective.connect(objective, preference_counts, train.feedback_store)
+    train_objective.connect(ui.objective, ui.preference_counts, train.feedback_store)
     gr.on(
         [form[name].change for name in preflight.FIELDS],
         lambda *values: handlers.preflight_markdown(train, dict(zip(preflight.FIELDS, values, strict=True))),
@@ -482,12 +404,4 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     gr.on(None, page_state, session, [lock_note, *unlocked], queue=False, show_progress="hidden", **PRIVATE)
     form["model_name_or_path"].input(
         handlers.learning_rate_for, form["model_name_or_path"], form["learning_rate"], queue=False, **PRIVATE
-    )
-    return TrainParts(
-        auth=auth_md,
-        cache=cache,
-        timer=timer,
-        actions=actions,
-        live=[run, loss, bleu, samples, log_tail, action, form["model_name_or_path"]],
-        review=review.panel,
     )

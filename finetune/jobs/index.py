@@ -130,6 +130,12 @@ def _parent(base: str | None, root: Path) -> str | None:
     return None
 
 
+def _has_weights(final: Path) -> bool:
+    """A complete model folder (as the model picker has always required: config and weights)."""
+    weights = (final / "model.safetensors").is_file() or (final / "model.safetensors.index.json").is_file()
+    return (final / "config.json").is_file() and weights
+
+
 def _figures(events: list[dict]) -> dict:
     evals = [e for e in events if e.get("event") == "eval" and isinstance(e.get("eval_bleu"), (int, float))]
     start = next((e for e in events if e.get("event") == "start"), {})
@@ -143,6 +149,10 @@ def _figures(events: list[dict]) -> dict:
         "train_rows": start.get("train_samples"),
         "eval_rows": start.get("eval_samples"),
     }
+
+
+def _done(events: list[dict], state: str) -> bool:
+    return state not in ("running", "stopping") and any(e.get("event") == "done" for e in events)
 
 
 def _state_from_events(events: list[dict]) -> tuple[str, str | None]:
@@ -170,6 +180,8 @@ def read_record(run_dir: Path, root: Path) -> RunRecord:
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as err:
             return RunRecord(run_dir.name, run_dir, "corrupt", problem=f"{RUN_FILE} unreadable ({err})")
+    # A run.json with neither spec nor command is a command-line run's name alone (the runs view's rename).
+    launched = has_info and ("spec" in info or "argv" in info)
     has_metrics = (run_dir / ckpt.METRICS_FILE).is_file()
     final = run_dir / FINAL
     if not has_info and not has_metrics and not final.is_dir():
@@ -177,13 +189,16 @@ def read_record(run_dir: Path, root: Path) -> RunRecord:
     events = [e for _, e in read_events(run_dir)]
     config = _config(run_dir, info)
     pushed = next((e.get("url") for e in reversed(events) if e.get("event") == "pushed"), None)
-    if has_info:
+    finished_model = final.is_dir() and (_has_weights(final) or is_adapter_dir(final))
+    if launched:
         try:
             status = current_status(run_dir)
         except (OSError, ValueError, KeyError, TypeError) as err:  # run.json of the wrong shape
             return RunRecord(run_dir.name, run_dir, "corrupt", problem=f"{RUN_FILE}: {type(err).__name__}: {err}")
         state, problem = status.state, status.error
         pushed = status.pushed_url or pushed
+    elif not events and finished_model:  # a finished model copied in, without its run's files
+        state, problem = "finished", None
     else:
         state, problem = _state_from_events(events)
     starts = [
@@ -192,12 +207,15 @@ def read_record(run_dir: Path, root: Path) -> RunRecord:
     started = min(starts) if starts else (info or {}).get("created")
     times = [e["time"] for e in events if isinstance(e.get("time"), (int, float))]
     end = time.time() if state in ("running", "stopping") else (max(times) if times else None)
-    finished_model = final.is_dir() and ((final / "config.json").is_file() or is_adapter_dir(final))
     figures = _figures(events)
     if figures["bleu"] is None:  # a run from elsewhere may have only its results file
         with contextlib.suppress(OSError, ValueError, AttributeError):
             results = _json(final / RESULTS_FILE)
-            figures.update(bleu=results.get("eval_bleu"), bleu_parts=bleu_parts(results))
+            figures.update(
+                bleu=results.get("eval_bleu"),
+                bleu_parts=bleu_parts(results),
+                context_hits=results.get("eval_context_hits"),
+            )
     base = config.get("model_name_or_path")
     return RunRecord(
         run_dir.name,
@@ -211,7 +229,8 @@ def read_record(run_dir: Path, root: Path) -> RunRecord:
         parent=_parent(base, root),
         data=_data(config, info),
         settings={k: v for k, v in config.items() if k not in NOT_SETTINGS},
-        final_dir=str(final) if finished_model and state == "finished" else None,
+        # (a model whose push failed after its done event is still a finished model)
+        final_dir=str(final) if finished_model and (state == "finished" or _done(events, state)) else None,
         adapter_final=finished_model and is_adapter_dir(final),
         pushed_url=pushed,
         **figures,

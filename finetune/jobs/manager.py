@@ -88,6 +88,16 @@ class RunManager:
         except OSError:
             return []
 
+    def _latest(self) -> str | None:
+        """The newest run this app launched whose run.json reads: a corrupt one, or a command-line
+        run's name alone (the runs view's rename), is the runs view's to show, not the live view's."""
+        for run_id in self._ids():
+            with contextlib.suppress(OSError, ValueError):
+                info = read_info(self.root / run_id)
+                if isinstance(info, dict) and ("spec" in info or "argv" in info):
+                    return run_id
+        return None
+
     def _running(self, snap: process.Snapshot | None = None) -> str | None:
         """The newest run with a live process (and a run.json), if any."""
         live = process.live_runs(self.root, snap)
@@ -186,7 +196,7 @@ class RunManager:
         """A run's state; by default the running run, else the most recent one (else idle).
         Cheap enough for every open page to poll (status.current_status); shared: do not modify."""
         if run_id is None:
-            run_id = self._running() or next((i for i in self._ids() if (self.root / i / RUN_FILE).is_file()), None)
+            run_id = self._running() or self._latest()
             if run_id is None:
                 return RunStatus()
         return current_status(self._dir(run_id))

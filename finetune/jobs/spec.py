@@ -296,6 +296,8 @@ class JobSpec:
             if getattr(cfg, name) != default(name):
                 raise ValueError(f"{name} writes outside the run folder: not available for runs of the app")
         changes = {"model_name_or_path": checked_model(cfg.model_name_or_path), **self._data(cfg), **_feedback(cfg)}
+        if cfg.context_scorer is not None:  # a local scorer must be one the app may load, as a base model is
+            changes["context_scorer"] = checked_model(cfg.context_scorer)
         if cfg.hub_model_id is not None:
             changes["hub_model_id"] = cfg.hub_model_id.strip() or None
             if changes["hub_model_id"] and not is_hub_id(changes["hub_model_id"], owner=True):

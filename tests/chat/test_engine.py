@@ -93,17 +93,29 @@ def greedy(engine):
 
 @pytest.fixture
 def generate_calls(engine, monkeypatch):
-    """Count the real ``generate`` calls on the demo model (the real generate still runs)."""
+    """The replies the demo model starts: each real ``generate`` call's output, and "step" for each
+    reply chat.stepping decodes (its encoder runs outside generate()); the real model still runs."""
     model = engine.current.model
-    real = model.generate
-    calls = []
+    real, encoder = model.generate, model.get_encoder()
+    real_encode = encoder.forward
+    calls, inside = [], threading.local()
 
     def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
+        inside.generate = True
+        try:
+            out = real(*args, **kwargs)
+        finally:
+            inside.generate = False
         calls.append(out)
         return out
 
+    def encoding(*args, **kwargs):
+        if not getattr(inside, "generate", False):
+            calls.append("step")
+        return real_encode(*args, **kwargs)
+
     monkeypatch.setattr(model, "generate", counting)
+    monkeypatch.setattr(encoder, "forward", encoding)
     return calls
 
 
@@ -816,7 +828,7 @@ def test_concurrent_build_input_does_not_share_tokenizer_state(engine, demo, mon
 
 def test_swap_mid_stream_finishes_on_the_old_model(fresh_engine, demo, tiny_path, greedy, monkeypatch):
     swapped, paused = threading.Event(), threading.Event()
-    real_generate = demo.model.generate
+    real_submit = fresh_engine._batcher.submit
 
     class Pacing:
         """Passes tokens through; after a few, holds the generation until the swap is done."""
@@ -834,10 +846,10 @@ def test_swap_mid_stream_finishes_on_the_old_model(fresh_engine, demo, tiny_path
         def end(self):
             self.inner.end()
 
-    def paced_generate(*args, streamer=None, **kwargs):
-        return real_generate(*args, streamer=Pacing(streamer) if streamer else None, **kwargs)
+    def paced_submit(loaded, encoded, kwargs, streamer=None):  # whichever scheduler decodes it
+        return real_submit(loaded, encoded, kwargs, Pacing(streamer) if streamer else None)
 
-    monkeypatch.setattr(demo.model, "generate", paced_generate)
+    monkeypatch.setattr(fresh_engine._batcher, "submit", paced_submit)
     demo_reply = greedy[conv_id(DOGS)]
     parts = fresh_engine.stream(DOGS, HELLO)
     try:

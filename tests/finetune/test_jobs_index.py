@@ -23,6 +23,7 @@ def cli_run(root, name, base="tiny", bleu=(10.0, 12.5), done=True, **settings):
         final = folder / FINAL
         final.mkdir()
         (final / "config.json").write_text("{}")
+        (final / "model.safetensors").write_bytes(b"")  # a complete model folder: config and weights
         args = {"model_name_or_path": base, "dataset_name": "sample", "learning_rate": 1e-3, "output_dir": str(folder)}
         (final / "training_args.json").write_text(json.dumps({**args, **settings}))
         metrics.write("done", step=20, final=str(final), eval_bleu=bleu[-1])

@@ -95,15 +95,16 @@ def client(server):
 
 
 def model_calls(engine, monkeypatch) -> list:
-    """Count real generate() calls on the engine's model (the real generate still runs)."""
-    model = engine.current.model
-    real, calls = model.generate, []
+    """Count the replies the engine's model starts: its encoder runs once per reply, whichever
+    scheduler decodes (generate() or chat.stepping's steps); the real encoder still runs."""
+    encoder = engine.current.model.get_encoder()
+    real, calls = encoder.forward, []
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(model, "generate", counting)
+    monkeypatch.setattr(encoder, "forward", counting)
     return calls
 
 

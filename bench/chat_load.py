@@ -1,0 +1,179 @@
+"""The chat engine under load: ``python -m bench.chat_load``.
+
+N clients chat at once, each sending its next message as soon as its last reply ended (a closed
+loop), through the engine's streaming path (what /chat and the API call), every reply forced to
+exactly ``--reply_tokens`` new tokens of the ``fast`` preset. For each scheduler (``static``:
+chat.batching's generate() per batch; ``step``: chat.stepping's continuous batching) and each
+concurrency, in the same run and alternating, on one loaded model: replies/s, reply latency
+p50/p95, time to the first streamed text p50, and whether the replies are those of the first
+scheduler (greedy: they must be). ``--adapters K`` spreads the clients over K LoRA adapters of the
+model (made with random weights) instead of the base alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.chat import prompt_set
+from bench.chat_adapters import make_adapter
+from bench.common import command_line, device_name, md_table, percentile, quiet_transformers, versions, write_json
+from chat.batching import Batcher
+from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
+from chat.model import ModelLoadError
+from chat.stepping import StepBatcher
+
+
+def make_batcher(scheduler: str, max_batch: int, on_gpu: bool = False) -> Batcher | StepBatcher:
+    if scheduler != "step":
+        return Batcher(max_batch=max_batch)
+    stepper = StepBatcher(max_batch=max_batch)
+    if on_gpu:
+        stepper.devices = ("cpu", "cuda")  # eager steps, no CUDA graphs (chat.stepping)
+    return stepper
+
+
+def load_round(engine: ChatEngine, chats, clients: int, replies: int, settings) -> dict:
+    """``clients`` threads in a closed loop until ``replies`` replies are done; their timings."""
+    lock, latencies, firsts, texts, errors = threading.Lock(), [], [], {}, []
+    taken = iter(range(replies))
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(taken, None)
+            if i is None:
+                return
+            conv, message = chats[i % len(chats)]
+            t0 = time.perf_counter()
+            first, text = None, ""
+            try:
+                for piece, _ in engine.stream(conv, message, settings):
+                    first, text = first or time.perf_counter() - t0, piece
+            except Exception as err:  # counted and shown, not a dead client and a missing row
+                with lock:
+                    errors.append(f"{type(err).__name__}: {err}")
+                    texts[i] = None
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+                firsts.append(first)
+                texts[i] = text
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {
+        "clients": clients,
+        "replies": replies,
+        "replies_per_s": replies / wall,
+        "p50": percentile(latencies, 50),
+        "p95": percentile(latencies, 95),
+        "first_text_p50": percentile(firsts, 50),
+        "texts": [texts[i] for i in range(replies)],
+        "errors": errors,
+    }
+
+
+def adapter_chats(engine: ChatEngine, spec: str, prompts, count: int, rank: int, root: Path):
+    """``count`` LoRA adapters of the model (random weights), attached; the prompts spread over them."""
+    ids = [engine.load(str(make_adapter(spec, rank, root, seed=k, name=f"bot{k}"))).id for k in range(count)]
+    return [(replace(conv, model=ids[i % count]), message) for i, (conv, message) in enumerate(prompts)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chat_load", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="facebook/blenderbot-400M-distill", help="else random-400M offline")
+    parser.add_argument("--optimize", default="none", help="none, bf16 or int8 (one)")
+    parser.add_argument("--schedulers", default="static,step")
+    parser.add_argument("--concurrency", default="1,8", help="comma-separated client counts")
+    parser.add_argument("--replies", type=int, default=16, help="replies per round (at least the clients)")
+    parser.add_argument("--reply_tokens", type=int, default=24)
+    parser.add_argument("--max_batch", type=int, default=8, help="rows per batch / step")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--threads", type=int, help="torch's CPU threads")
+    parser.add_argument("--adapters", type=int, default=0, help="spread the chats over this many LoRA adapters")
+    parser.add_argument("--adapter_r", type=int, default=8)
+    parser.add_argument("--step_on_gpu", action="store_true", help="the step scheduler on a GPU too (eager)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quiet_transformers()
+    spec = args.model
+    try:
+        loaded = load_apart(spec, optimize=args.optimize)
+    except ModelLoadError:
+        spec = "random-400M"
+        loaded = load_apart(spec, optimize=args.optimize)
+    schedulers = args.schedulers.split(",")
+    # One engine (and so one set of attached adapters); each round runs on one scheduler's batcher.
+    batchers = {s: make_batcher(s, args.max_batch, args.step_on_gpu) for s in schedulers}
+    engine = ChatEngine(loaded, f"bench {spec}", batcher=batchers[schedulers[0]])
+    settings = replace(GENERATION_PRESETS["fast"], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens)
+    chats = prompt_set(args.prompts)
+    with tempfile.TemporaryDirectory() as root:
+        if args.adapters:
+            chats = adapter_chats(engine, spec, chats, args.adapters, args.adapter_r, Path(root))
+        for name in schedulers:  # warm up each path once
+            engine._batcher = batchers[name]
+            load_round(engine, chats, 2, 2, settings)
+        results = []
+        for clients in [int(c) for c in args.concurrency.split(",")]:
+            replies = max(args.replies, clients)
+            for name in schedulers:
+                engine._batcher = batchers[name]
+                results.append({"scheduler": name, **load_round(engine, chats, clients, replies, settings)})
+    hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
+    env = versions()
+    header = (
+        f"{spec} ({args.optimize}{f', {args.adapters} LoRA adapters' if args.adapters else ''}), "
+        f"{args.reply_tokens}-token fast replies, max batch {args.max_batch}, "
+        f"{hardware}, torch {env['torch']}, {env['date']}"
+    )
+    rows = []
+    for r in results:
+        base = next(b for b in results if b["clients"] == r["clients"])
+        same = sum(a == b for a, b in zip(r["texts"], base["texts"]))
+        one = next(b for b in results if b["clients"] == results[0]["clients"] and b["scheduler"] == r["scheduler"])
+        rows.append(
+            [
+                r["scheduler"],
+                str(r["clients"]),
+                f"{r['replies_per_s']:.2f} ({r['replies_per_s'] / one['replies_per_s']:.2f}x)",
+                f"{r['p50']:.3f} s",
+                f"{r['p95']:.3f} s",
+                f"{r['first_text_p50']:.3f} s",
+                f"{same}/{len(base['texts'])}",
+                str(len(r["errors"])),
+            ]
+        )
+    header_row = [
+        "scheduler",
+        "clients",
+        f"replies/s (vs {results[0]['clients']} client)",
+        "p50",
+        "p95",
+        "first text p50",
+        f"same replies as {schedulers[0]}",
+        "errors",
+    ]
+    print(header)
+    print("\n".join(md_table(header_row, rows)))
+    if args.out:
+        write_json(args.out, {"header": header, "command": command_line("bench.chat_load", argv), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The chat under load through the running app: ``python -m bench.chat_serve``.
+
+Starts the app as its users do (``python app.py``, ``--model`` as its CHAT_MODEL; offline the
+bundled demo model) or uses one already running (``--url``), and for each concurrency N drives it
+with N clients at once, each sending its next message when its last reply ended (closed loop): on
+gradio's ``/chat`` endpoint (gradio_client, streamed) and on the OpenAI-compatible
+``/v1/chat/completions`` (the official openai client, ``stream=True``), against the same chats on
+the engine alone in this process (same model, same default scheduler) in the same run. For each:
+replies/s, reply latency p50/p95 and time to the first text p50.
+
+The API gives one client address a bounded share of its capacity (``api.access``), so the app is
+started as if behind a proxy (``PERSONA_CHAT_BEHIND_PROXY=1``) and each API client names its own
+address in ``X-Forwarded-For``, as a proxy would for N different visitors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from dataclasses import replace
+
+from bench.api import api_stream, chat_stream, running_app
+from bench.chat import prompt_set
+from bench.common import command_line, cpu_name, md_table, percentile, quiet_transformers, versions, write_json
+from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
+from chat.layout import DEMO_DIR
+
+
+def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
+    """``clients`` threads, each with its own client (``make_stream(k)`` gives client k's
+    ``stream(conv, message)``), sending until ``replies`` replies are done."""
+    lock, whole, firsts = threading.Lock(), [], []
+    taken = iter(range(replies))
+
+    def client(k: int) -> None:
+        stream = make_stream(k)
+        while True:
+            with lock:
+                i = next(taken, None)
+            if i is None:
+                return
+            conv, message = chats[i % len(chats)]
+            t0, first = time.perf_counter(), None
+            for text in stream(conv, message):
+                if first is None and text:
+                    first = time.perf_counter() - t0
+            with lock:
+                whole.append(time.perf_counter() - t0)
+                firsts.append(first if first is not None else whole[-1])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {
+        "clients": clients,
+        "replies": replies,
+        "replies_per_s": replies / wall,
+        "p50": percentile(whole, 50),
+        "p95": percentile(whole, 95),
+        "first_text_p50": percentile(firsts, 50),
+    }
+
+
+def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int) -> dict:
+    """name -> (k -> client k's stream function)."""
+    import openai
+    from gradio_client import Client
+
+    settings = replace(GENERATION_PRESETS[preset], max_new_tokens=max_tokens)
+    model = openai.OpenAI(base_url=url + "v1", api_key="unused").models.list().data[0].id
+
+    def engine_client(k: int):
+        return lambda conv, message: (text for text, _ in engine.stream(conv, message, settings))
+
+    def chat_client(k: int):
+        client = Client(url, verbose=False)
+        return lambda conv, message: chat_stream(client, conv, message, preset, {"max_new_tokens": max_tokens})
+
+    def api_client(k: int):
+        key = os.environ.get("PERSONA_CHAT_API_KEY", "unused")
+        headers = {"X-Forwarded-For": f"10.0.{k // 250}.{k % 250 + 1}"}  # client k, as a proxy names it
+        client = openai.OpenAI(base_url=url + "v1", api_key=key, default_headers=headers)
+        return lambda conv, message: api_stream(client, model, conv, message, preset, {"max_new_tokens": max_tokens})
+
+    return {"engine alone": engine_client, "/chat (gradio_client)": chat_client, "/v1 (openai)": api_client}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chat_serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="an app already running (default: start python app.py)")
+    parser.add_argument("--model", help="the app's CHAT_MODEL and the engine's model (default: the demo model)")
+    parser.add_argument("--optimize", help="the engine's CPU mode (default: as the app's, CHAT_OPTIMIZE or int8)")
+    parser.add_argument("--preset", default="fast", choices=["fast", "faithful"])
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--replies", type=int, default=16, help="replies per round (at least the clients)")
+    parser.add_argument("--max_tokens", type=int, default=24)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    quiet_transformers()
+    spec = args.model or str(DEMO_DIR)
+    engine = ChatEngine(load_apart(spec, optimize=args.optimize), "bench")
+    chats = prompt_set(args.prompts)
+    os.environ["PERSONA_CHAT_BEHIND_PROXY"] = "1"  # see the module docstring
+    if args.optimize:
+        os.environ["CHAT_OPTIMIZE"] = args.optimize  # the app's engine as this one
+    results = []
+    with running_app(spec) if not args.url else _given(args.url) as (url, _log, _pid):
+        ways = paths(url, engine, args.preset, args.max_tokens)
+        for make in ways.values():  # warm up every path
+            closed_loop(make, chats, 2, 2)
+        for clients in [int(c) for c in args.concurrency.split(",")]:
+            for name, make in ways.items():
+                round_ = closed_loop(make, chats, clients, max(args.replies, clients))
+                results.append({"path": name, **round_})
+    env = versions("gradio", "openai")
+    header = (
+        f"{engine.current.id}, preset {args.preset}, up to {args.max_tokens} tokens, "
+        f"{cpu_name()}, {os.cpu_count()} CPUs, {env['date']}"
+    )
+    rows = []
+    for r in results:
+        alone = next(b for b in results if b["clients"] == r["clients"] and b["path"] == "engine alone")
+        rows.append(
+            [
+                r["path"],
+                str(r["clients"]),
+                f"{r['replies_per_s']:.2f} ({r['replies_per_s'] / alone['replies_per_s']:.2f}x)",
+                f"{r['p50']:.3f} s",
+                f"{r['p95']:.3f} s",
+                f"{r['first_text_p50']:.3f} s",
+            ]
+        )
+    print(header)
+    print("\n".join(md_table(["path", "clients", "replies/s (vs engine)", "p50", "p95", "first text p50"], rows)))
+    if args.out:
+        write_json(args.out, {"header": header, "command": command_line("bench.chat_serve", argv), "results": results})
+    return 0
+
+
+class _given:
+    """``running_app``'s shape for an app already running at ``url``."""
+
+    def __init__(self, url: str):
+        self.url = url if url.endswith("/") else url + "/"
+
+    def __enter__(self):
+        return self.url, [], None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,350 @@
+"""Step-level (continuous) batching: a request joins the running batch at the next decoder step and
+leaves it at its own end, each row with its own settings, streamer and random generator.
+
+``chat.batching``'s static batcher runs one ``generate()`` per batch: a request that arrives a
+moment after a batch started waits for all of it, and only requests with identical settings share
+one. Here one worker thread runs its own decoding loop over the model's parts:
+
+* a joining request's source is encoded alone (as ``generate()`` alone would), and each decoder
+  layer's cross-attention keys/values are projected from it once (``_Rows.join``);
+* every step runs the decoder's layers once for all rows, each at its own position, over a
+  self-attention cache whose rows are right-aligned (a row's history ends at the newest column; a
+  younger row's older columns are masked) and a cross-attention cache padded to the longest source;
+  columns no row needs any more are dropped, so the cache spans the oldest row's reply at most;
+* each row's logits go through that row's own logits processors and stopping criteria, built by
+  transformers' generate() helpers from the row's generate() kwargs (repetition penalty, n-gram
+  blocking, min length, temperature, top-p, forced EOS: exactly what ``generate()`` alone would
+  apply), then argmax or sampling with the row's own ``torch.Generator`` (seeded: reproducible
+  whatever else runs beside it).
+
+Greedy replies are those of ``generate()`` alone (tests/chat/test_stepping.py: token for token on
+the demo model in fp32, joining mid-flight included). Beam search (``faithful``) and anything else
+this loop does not do go to the static batcher, as does everything on a GPU for now (its CUDA-graph
+decoding, ``chat.graphs``, records ``generate()``'s step, not this one). Rows of different LoRA
+adapters of one base share a step (``chat.lora.rows_of``): each row gets its own low-rank update.
+
+Private transformers helpers used (pinned by these tests): ``_prepare_generation_config``,
+``_prepare_special_tokens``, ``_prepare_generated_length``, ``_get_logits_processor``,
+``_get_stopping_criteria``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from concurrent.futures import Future
+
+import torch
+from transformers import EncoderDecoderCache, StoppingCriteriaList
+
+from chat.batching import Batcher, Request
+from chat.fastgen import fast_kwargs
+from chat.optimize import rows_apart
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_ENV = "CHAT_SCHEDULER"
+SCHEDULERS = ("step", "static")
+# Rows per step on a CPU: measured with bench.chat --scheduler step (docs/chat-benchmarks.md).
+CPU_MAX_BATCH = 8
+
+
+def scheduler(value: str | None = None) -> str:
+    """CHAT_SCHEDULER's value (``step``: this module, ``static``: chat.batching alone)."""
+    value = (os.environ.get(SCHEDULER_ENV, "step") if value is None else value).strip().lower()
+    if value not in SCHEDULERS:
+        raise ValueError(f"{SCHEDULER_ENV} must be one of {', '.join(SCHEDULERS)}, got {value!r}")
+    return value
+
+
+class _SelfAttention:
+    """The decoder's self-attention cache for all rows, right-aligned: after a step a row's keys
+    are the last ``lengths[row]`` columns. Duck-typed for ``BlenderbotAttention`` (``update``)."""
+
+    def __init__(self, layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
+        if old_k is not None and old_k.shape[2]:
+            key, value = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = key, value
+        return key, value
+
+
+class _Layer:
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+
+class _StepCache(EncoderDecoderCache):
+    """What a decoder layer reads: our self-attention cache and a filled cross-attention one.
+    (No ``EncoderDecoderCache.__init__``: the layers only read these three attributes.)"""
+
+    def __init__(self, self_attention: _SelfAttention, cross: list[_Layer]):  # noqa: D107
+        self.self_attention_cache = self_attention
+        self.cross_attention_cache = type("Cross", (), {"layers": cross})()
+        self.is_updated = dict.fromkeys(range(len(cross)), True)
+
+
+class _Row:
+    """One request in the running batch: its settings as transformers' processors, its ids so far."""
+
+    def __init__(self, request: Request, model, start_id: int):
+        self.request = request
+        kwargs = fast_kwargs(dict(request.kwargs), request.encoded["input_ids"])
+        seed = kwargs.pop("generator_seed", None)
+        custom = kwargs.pop("logits_processor", None)
+        kwargs.pop("num_beams", None)
+        config, _ = model._prepare_generation_config(None, **kwargs)
+        config.num_beams = 1
+        model._prepare_special_tokens(config, True, device="cpu", batch_size=1)
+        source = request.encoded["input_ids"]
+        config = model._prepare_generated_length(config, True, True, "input_ids", 1, source)
+        self.processors = model._get_logits_processor(
+            generation_config=config,
+            input_ids_seq_length=1,
+            encoder_input_ids=source,
+            logits_processor=custom,
+            device="cpu",
+            model_kwargs={},
+        )
+        self.stop = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList())
+        self.sample = bool(config.do_sample)
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(int(seed))
+        self.ids = torch.tensor([[start_id]])
+        self.length = 0  # self-attention columns this row has
+        self.source = int(request.encoded["attention_mask"].sum())
+        if request.streamer is not None:
+            request.streamer.put(self.ids[0].clone())
+
+    def choose(self, logits: torch.Tensor) -> bool:
+        """Take the next token from this row's logits (1, vocab); True when the row is done."""
+        scores = self.processors(self.ids, logits)
+        if self.sample:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=self.generator)
+        else:
+            token = torch.argmax(scores, dim=-1, keepdim=True)
+        self.ids = torch.cat([self.ids, token], dim=1)
+        if self.request.streamer is not None:
+            self.request.streamer.put(token[0].clone())
+        return bool(self.stop(self.ids, scores).all())
+
+
+class _Batch:
+    """The running rows of one model object (a base and the adapters on it) and their caches."""
+
+    def __init__(self, model):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.rows: list[_Row] = []
+        self.self_attention = _SelfAttention(len(self.decoder.layers))
+        self.cross: list[_Layer] = []  # per layer, rows padded to the longest source
+
+    def join(self, request: Request) -> None:
+        """Encode the request's source alone and add its cross-attention keys/values as a new row."""
+        model = self.model
+        row = _Row(request, model, model.generation_config.decoder_start_token_id)
+        encoded = {k: v.to(model.device) for k, v in request.encoded.items()}
+        with request.loaded.activated():  # its adapter's projections (or none) for its encoder states
+            hidden = model.get_encoder()(**encoded).last_hidden_state
+            layers = []
+            for layer in self.decoder.layers:
+                attn = layer.encoder_attn
+                shape = (1, hidden.shape[1], -1, attn.head_dim)
+                layers.append(
+                    (attn.k_proj(hidden).view(shape).transpose(1, 2), attn.v_proj(hidden).view(shape).transpose(1, 2))
+                )
+        width = max([row.source, *(r.source for r in self.rows)])
+        joined = []
+        for i, (k, v) in enumerate(layers):
+            if self.cross:  # the running rows' keys/values, then the new row's, padded to one width
+                k = torch.cat([_widen(self.cross[i].keys, width), _widen(k, width)])
+                v = torch.cat([_widen(self.cross[i].values, width), _widen(v, width)])
+            joined.append(_Layer(k, v))
+        self.cross = joined
+        sa = self.self_attention
+        for i, k in enumerate(sa.keys):
+            if k is not None:
+                pad = k.new_zeros((1, *k.shape[1:]))
+                sa.keys[i], sa.values[i] = torch.cat([k, pad]), torch.cat([sa.values[i], pad])
+        self.rows.append(row)
+
+    def step(self) -> list[_Row]:
+        """One decoder step for every row; returns the rows that finished (already left)."""
+        rows, model, decoder = self.rows, self.model, self.decoder
+        sa = self.self_attention
+        width = (sa.keys[0].shape[2] if sa.keys[0] is not None else 0) + 1  # columns after this step
+        for row in rows:
+            row.length += 1
+        lengths = torch.tensor([row.length for row in rows])
+        sources = torch.tensor([row.source for row in rows])
+        dtype = self.cross[0].keys.dtype
+        self_mask = _mask(torch.arange(width)[None] >= width - lengths[:, None], dtype)
+        cross_mask = _mask(torch.arange(self.cross[0].keys.shape[2])[None] < sources[:, None], dtype)
+        tokens = torch.cat([row.ids[:, -1:] for row in rows]).to(model.device)
+        positions = (lengths - 1)[:, None].to(model.device)
+        hidden = decoder.embed_tokens(tokens) + decoder.embed_positions(tokens.shape, 0, position_ids=positions)
+        cache = _StepCache(sa, self.cross)
+        masks = [m if m is None else m.to(model.device) for m in (self_mask, cross_mask)]
+        for layer in decoder.layers:
+            out = layer(hidden, masks[0], self.cross[0].keys, encoder_attention_mask=masks[1], cache=cache)
+            hidden = out[0] if isinstance(out, tuple) else out
+        logits = model.lm_head(decoder.layer_norm(hidden)) + model.final_logits_bias.to(hidden.device)
+        logits = logits[:, -1].to(copy=True, dtype=torch.float32, device="cpu")
+        done = [row for i, row in enumerate(rows) if row.choose(logits[i : i + 1])]
+        if done:
+            self._leave([i for i, row in enumerate(rows) if row not in done])
+        keep = max((row.length for row in self.rows), default=0)
+        if keep < width:  # columns no row reads any more
+            sa.keys = [k[:, :, width - keep :] for k in sa.keys]
+            sa.values = [v[:, :, width - keep :] for v in sa.values]
+        return done
+
+    def _leave(self, kept: list[int]) -> None:
+        self.rows = [self.rows[i] for i in kept]
+        index = torch.tensor(kept, dtype=torch.long, device=self.cross[0].keys.device)
+        width = max((row.source for row in self.rows), default=0)
+        self.cross = [_Layer(c.keys[index, :, :width], c.values[index, :, :width]) for c in self.cross]
+        sa = self.self_attention
+        sa.keys = [k.index_select(0, index) for k in sa.keys]
+        sa.values = [v.index_select(0, index) for v in sa.values]
+
+
+def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Keys/values (rows, heads, positions, dim) zero-padded to ``width`` positions."""
+    return t if t.shape[2] == width else torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
+
+
+def _mask(visible: torch.Tensor, dtype) -> torch.Tensor | None:
+    """An additive attention mask (rows, 1, 1, columns); None when every column is visible (then
+    attention runs exactly as for one row alone)."""
+    if bool(visible.all()):
+        return None
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[:, None, None]
+
+
+class StepBatcher:
+    """One worker thread that decodes every running request step by step (``_Batch``); requests it
+    does not decode (beam search, a GPU's) go to the static ``Batcher``. Same ``submit`` as
+    ``Batcher``."""
+
+    def __init__(self, max_batch: int = CPU_MAX_BATCH, fallback: Batcher | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.fallback = fallback or Batcher()
+        self.steps = 0  # decoder steps run (tests and benchmarks read it)
+        self.widest = 0  # the most rows one step has run
+        self._queue: queue.Queue[Request] = queue.Queue()
+        threading.Thread(target=self._loop, daemon=True, name="chat-stepper").start()
+
+    # The static batcher's knobs, for callers that tune them (warm_up, bench.chat).
+    cuda_graphs = property(
+        lambda self: self.fallback.cuda_graphs, lambda self, v: setattr(self.fallback, "cuda_graphs", v)
+    )
+    window_s = property(lambda self: self.fallback.window_s, lambda self, v: setattr(self.fallback, "window_s", v))
+
+    # Where the step loop decodes. Not on a GPU by default: there the static batcher replays
+    # CUDA-graph steps (chat.graphs), which this loop does not record yet (bench.chat_load
+    # --step_on_gpu measures it anyway).
+    devices = ("cpu",)
+
+    def takes(self, loaded, kwargs: dict) -> bool:
+        """Does the step loop decode this request? Greedy or sampling on a CPU model (int8 layers
+        quantize each row apart in a step: ``chat.optimize.rows_apart``)."""
+        model = loaded.model
+        return (
+            int(kwargs.get("num_beams") or 1) == 1
+            and int(kwargs.get("num_return_sequences") or 1) == 1
+            and model.device.type in self.devices
+            and hasattr(model, "get_decoder")
+            and model.config.is_encoder_decoder
+        )
+
+    def submit(self, loaded, encoded: dict, kwargs: dict, streamer=None) -> Future:
+        if not self.takes(loaded, kwargs):
+            return self.fallback.submit(loaded, encoded, kwargs, streamer)
+        request = Request(loaded, encoded, kwargs, streamer)
+        self._queue.put(request)
+        return request.future
+
+    def _loop(self) -> None:
+        held: list[Request] = []  # waiting for another model's batch to drain
+        while True:
+            # Nothing of a batch outlives it (a method's locals): a model swapped out is freed now.
+            self._run(held.pop(0) if held else self._queue.get(), held)
+
+    def _run(self, first: Request, held: list[Request]) -> None:
+        """Decode ``first`` and every request of its model that arrives meanwhile, until none is left."""
+        batch = _Batch(first.loaded.model)
+        self._admit(batch, [first], held)
+        while batch.rows:
+            while True:
+                try:
+                    held.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            # Rows of the running model join while nothing of another model waits (which then
+            # gets the next batch: no model starves another).
+            if all(r.loaded.model is batch.model for r in held):
+                joining = list(held)
+                held.clear()
+                self._admit(batch, joining, held)
+            self._step(batch)
+
+    def _admit(self, batch: _Batch, requests: list[Request], held: list[Request]) -> None:
+        for request in requests:
+            if len(batch.rows) >= self.max_batch:
+                held.append(request)
+                continue
+            try:
+                with torch.inference_mode():
+                    batch.join(request)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                _fail(request, err)
+
+    def _step(self, batch: _Batch) -> None:
+        rows = batch.rows
+        loadeds = [row.request.loaded for row in rows]
+        try:
+            with _serving(loadeds), rows_apart(), torch.inference_mode():
+                done = batch.step()
+        except BaseException as err:  # noqa: BLE001 - every row in the step learns about it
+            for row in rows:
+                _fail(row.request, err)
+            batch.rows = []
+            return
+        self.steps += 1
+        self.widest = max(self.widest, len(rows))
+        for row in done:
+            if row.request.streamer is not None:
+                row.request.streamer.end()
+            row.request.future.set_result(row.ids)
+
+
+def _serving(loadeds: list):
+    """The context a step runs in: one adapter (or the base) active for all rows, or, for rows of
+    different adapters on one base, each row's own (``Host.rows``)."""
+    first = loadeds[0]
+    if all(loaded.adapter == first.adapter for loaded in loadeds) or first.host is None:
+        return first.activated()
+    return first.host.rows(loadeds)
+
+
+def _fail(request: Request, err: BaseException) -> None:
+    if request.streamer is not None:
+        request.streamer.end()
+    if not request.future.done():
+        request.future.set_exception(err)
+
+
+def make_batcher() -> Batcher | StepBatcher:
+    """The engine's scheduler, as ``CHAT_SCHEDULER`` says (default ``step``)."""
+    return StepBatcher() if scheduler() == "step" else Batcher()

@@ -1,0 +1,30 @@
+"""bench.chat_load and bench.chat_serve end to end, small, on the demo model: both schedulers (and
+LoRA adapters spread over the chats) in one run; the engine alone against the running app."""
+
+import json
+
+from bench import chat_load, chat_serve
+from chat.engine import DEMO_DIR
+
+
+def test_load_smoke_both_schedulers_with_adapters(tmp_path, capsys):
+    out = tmp_path / "load.json"
+    argv = ["--model", str(DEMO_DIR), "--concurrency", "1,3", "--replies", "3", "--reply_tokens", "6"]
+    assert chat_load.main([*argv, "--adapters", "2", "--adapter_r", "4", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["scheduler"], r["clients"]) for r in results] == [("static", 1), ("step", 1), ("static", 3), ("step", 3)]
+    for r in results:
+        assert r["replies_per_s"] > 0 and 0 < r["first_text_p50"] <= r["p50"] <= r["p95"] and len(r["texts"]) == 3
+    # Greedy replies on the trained demo model: the same whichever scheduler serves them.
+    assert results[3]["texts"] == results[2]["texts"] and results[1]["texts"] == results[0]["texts"]
+    assert "2 LoRA adapters" in capsys.readouterr().out
+
+
+def test_serve_smoke_engine_and_app(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    argv = ["--concurrency", "2", "--replies", "2", "--max_tokens", "6", "--prompts", "2", "--out", str(out)]
+    assert chat_serve.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["path"] for r in results] == ["engine alone", "/chat (gradio_client)", "/v1 (openai)"]
+    assert all(r["replies_per_s"] > 0 and r["clients"] == 2 and r["p50"] > 0 for r in results)
+    assert "engine alone" in capsys.readouterr().out

@@ -1,0 +1,211 @@
+"""chat.stepping: requests join a running batch at the next decoder step and leave it at their own
+end, each with its own settings and stream, and each reply is the one ``generate()`` gives the
+request alone (the static batcher serving it by itself is the reference), on the demo model.
+
+Joining is made deterministic with a streamer that submits the next request when its own row has
+produced a given number of tokens: the worker admits it before the following step."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+from adapter_files import make_adapter
+from transformers import TextIteratorStreamer
+from transformers.generation.streamers import BaseStreamer
+
+from chat.batching import Batcher
+from chat.engine import DEMO_DIR, GENERATION_PRESETS, ChatEngine, Conversation, load_checkpoint
+from chat.stepping import StepBatcher, make_batcher, scheduler
+
+FAST = GENERATION_PRESETS["fast"]
+TALKS = [
+    Conversation("persona", "i love dogs.", ["hi! what do you like to do?"]),
+    Conversation("emotion", "angry", ["my neighbour parked in my spot again"]),
+    Conversation("topic", "jazz", ["who is your favourite musician and why?"]),
+    Conversation("none", "", ["hello"]),
+    Conversation("task", "restaurant table", ["i need a table for four tonight, somewhere quiet please"]),
+]
+SETTINGS = [
+    FAST,
+    replace(FAST, max_new_tokens=5),  # leaves early
+    replace(FAST, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=12),
+    replace(FAST, do_sample=True, temperature=0.9, top_p=0.8, seed=11),
+    replace(FAST, max_new_tokens=20, encoder_no_repeat_ngram_size=2),
+]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_checkpoint(str(DEMO_DIR), optimize="none")
+
+
+@pytest.fixture(scope="module")
+def static():
+    return Batcher()
+
+
+def alone(static: Batcher, loaded, encoded, kwargs) -> list[int]:
+    """The reference: the request served by itself, one generate() (seeded as the engine seeds it)."""
+    return static.submit(loaded, encoded, kwargs).result()[0].tolist()
+
+
+class Tokens(BaseStreamer):
+    """Collects a row's streamed ids; after ``after`` new tokens it calls ``then`` once."""
+
+    def __init__(self, after: int | None = None, then=None):
+        self.ids, self.ended, self.after, self.then = [], False, after, then
+
+    def put(self, value):
+        assert not self.ended
+        self.ids += value.reshape(-1).tolist()
+        if self.then is not None and len(self.ids) - 1 >= self.after:
+            then, self.then = self.then, None
+            then()
+
+    def end(self):
+        self.ended = True
+
+
+def inputs(engine: ChatEngine, i: int):
+    encoded, _ = engine.build_input(TALKS[i % len(TALKS)])
+    kwargs = SETTINGS[i % len(SETTINGS)].generate_kwargs()
+    if SETTINGS[i % len(SETTINGS)].seed is not None:
+        kwargs["generator_seed"] = SETTINGS[i % len(SETTINGS)].seed
+    return encoded, kwargs
+
+
+def test_requests_join_a_running_batch_and_leave_it_with_their_own_replies(demo, static):
+    engine = ChatEngine(demo, "test", batcher=static)
+    stepper = StepBatcher(max_batch=4)
+    n = 7  # more than max_batch: some wait for a row to leave
+    futures, streams = {}, {}
+
+    def submit(i: int) -> None:
+        # Request i+1 arrives when request i has made 2 tokens: it joins mid-reply.
+        streams[i] = Tokens(2, (lambda: submit(i + 1)) if i + 1 < n else None)
+        futures[i] = stepper.submit(demo, *inputs(engine, i), streams[i])
+
+    submit(0)
+    for i in range(n):
+        while i not in futures:
+            threading.Event().wait(0.01)
+        got = futures[i].result(timeout=60)[0].tolist()
+        assert got == alone(static, demo, *inputs(engine, i)), f"request {i} ({SETTINGS[i % len(SETTINGS)]})"
+        assert streams[i].ids == got and streams[i].ended  # its own stream: its own tokens, ended once
+    assert stepper.widest == 4  # they did share steps, never more than max_batch
+    # Fewer steps than the requests' lengths added up: rows ran side by side.
+    assert stepper.steps < sum(len(futures[i].result()[0]) - 1 for i in range(n))
+
+
+def test_concurrent_streams_are_kept_apart_through_the_engine(demo):
+    engine = ChatEngine(demo, "test", batcher=StepBatcher())
+    expected = [ChatEngine(demo, "alone", batcher=Batcher()).reply(t, "and then?", FAST)[0] for t in TALKS]
+    results = [None] * len(TALKS)
+
+    def chat(i):
+        results[i] = [text for text, _ in engine.stream(TALKS[i], "and then?", FAST)]
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(len(TALKS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for texts, want in zip(results, expected):
+        assert texts[-1] == want and all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert engine._batcher.widest > 1
+
+
+def test_a_seeded_sample_is_the_same_beside_any_neighbours(demo, static):
+    engine = ChatEngine(demo, "test", batcher=static)
+    stepper = StepBatcher()
+    encoded, kwargs = inputs(engine, 3)  # sampling, seed 11
+    want = alone(static, demo, encoded, kwargs)
+    others = [stepper.submit(demo, *inputs(engine, i)) for i in (0, 1, 2, 4)]
+    assert stepper.submit(demo, encoded, kwargs).result(60)[0].tolist() == want
+    assert all(f.result(60) is not None for f in others)
+    unseeded = {k: v for k, v in kwargs.items() if k != "generator_seed"}
+    replies = {tuple(stepper.submit(demo, encoded, unseeded).result(60)[0].tolist()) for _ in range(4)}
+    assert len(replies) > 1  # without a seed it does sample
+
+
+def test_beam_search_goes_to_the_static_batcher(demo):
+    stepper = StepBatcher()
+    assert stepper.takes(demo, FAST.generate_kwargs())
+    assert not stepper.takes(demo, GENERATION_PRESETS["faithful"].generate_kwargs())
+    engine = ChatEngine(demo, "test", batcher=stepper)
+    assert engine.reply(TALKS[0], "ok", GENERATION_PRESETS["faithful"])[0]
+    assert stepper.steps == 0
+
+
+def test_int8_rows_share_steps_and_reply_as_alone(static):
+    """Dynamic int8 scales activations per call: in a step each row is quantized on its own, so a
+    reply does not depend on its neighbours (the static batcher serves int8 requests alone)."""
+    int8 = load_checkpoint(str(DEMO_DIR), optimize="int8")
+    engine = ChatEngine(int8, "test", batcher=static)
+    stepper = StepBatcher()
+    requests = [inputs(engine, i) for i in range(len(TALKS))]
+    expected = [alone(static, int8, *r) for r in requests]
+    futures = [stepper.submit(int8, *r) for r in requests]
+    assert [f.result(60)[0].tolist() for f in futures] == expected
+    assert stepper.widest > 1
+
+
+def test_the_scheduler_setting(monkeypatch):
+    monkeypatch.delenv("CHAT_SCHEDULER", raising=False)
+    assert scheduler() == "step" and isinstance(make_batcher(), StepBatcher)
+    monkeypatch.setenv("CHAT_SCHEDULER", "static")
+    assert type(make_batcher()) is Batcher
+    with pytest.raises(ValueError, match="CHAT_SCHEDULER"):
+        scheduler("continuous")
+
+
+def test_rows_of_different_adapters_share_steps_each_through_its_own(tmp_path):
+    engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="none"), "test", batcher=Batcher())
+    names = ["bob", "ann", "eve"]
+    for seed, name in enumerate(names):
+        engine.load(str(make_adapter(DEMO_DIR, tmp_path / name, seed=seed)))
+    models = [engine.model_for(m) for m in [*names, "demo-model"]]
+    settings = [FAST, replace(FAST, max_new_tokens=9), FAST, replace(FAST, min_new_tokens=15)]
+    requests = []
+    for i, (loaded, s) in enumerate(zip(models, settings)):
+        encoded, _ = engine.build_input(TALKS[i], loaded)
+        requests.append((loaded, encoded, s.generate_kwargs()))
+    expected = [alone(engine._batcher, *r) for r in requests]
+    assert len({tuple(e) for e in expected}) == 4  # each adapter answers its own way
+    stepper = StepBatcher()
+    gate = threading.Event()
+
+    class Held(BaseStreamer):  # holds the worker in the first row's first put until all are queued
+        def put(self, value):
+            gate.wait(10)
+
+        def end(self):
+            pass
+
+    futures = [stepper.submit(*requests[0], Held())]
+    futures += [stepper.submit(*r) for r in requests[1:]]
+    gate.set()
+    assert [f.result(60)[0].tolist() for f in futures] == expected
+    assert stepper.widest == 4
+
+
+def test_a_text_streamer_reads_the_steps_as_it_reads_generate(demo):
+    stepper = StepBatcher()
+    engine = ChatEngine(demo, "test", batcher=stepper)
+    encoded, kwargs = inputs(engine, 0)
+    streamer = TextIteratorStreamer(demo.tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=60)
+    out = stepper.submit(demo, encoded, kwargs, streamer)
+    text = "".join(streamer)
+    assert text.strip() == demo.tokenizer.decode(out.result()[0], skip_special_tokens=True).strip()
+
+
+def test_a_failing_row_fails_its_request_and_the_batch_goes_on(demo):
+    stepper = StepBatcher()
+    engine = ChatEngine(demo, "test", batcher=stepper)
+    encoded, kwargs = inputs(engine, 0)
+    bad = stepper.submit(demo, encoded, {**kwargs, "top_k": -3, "do_sample": True})
+    with pytest.raises(ValueError):
+        bad.result(60)
+    assert stepper.submit(demo, encoded, kwargs).result(60)[0].tolist()
