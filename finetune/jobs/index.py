@@ -130,7 +130,7 @@ def _parent(base: str | None, root: Path) -> str | None:
     return None
 
 
-def _has_weights(final: Path) -> bool:
+def has_weights(final: Path) -> bool:
     """A complete model folder (as the model picker has always required: config and weights)."""
     weights = (final / "model.safetensors").is_file() or (final / "model.safetensors.index.json").is_file()
     return (final / "config.json").is_file() and weights
@@ -189,7 +189,7 @@ def read_record(run_dir: Path, root: Path) -> RunRecord:
     events = [e for _, e in read_events(run_dir)]
     config = _config(run_dir, info)
     pushed = next((e.get("url") for e in reversed(events) if e.get("event") == "pushed"), None)
-    finished_model = final.is_dir() and (_has_weights(final) or is_adapter_dir(final))
+    finished_model = final.is_dir() and (has_weights(final) or is_adapter_dir(final))
     if launched:
         try:
             status = current_status(run_dir)

@@ -23,6 +23,7 @@ from chat.layout import FINAL, RESULTS_FILE, is_hub_id
 from finetune import checkpoint as ckpt
 from finetune.jobs import paths, process
 from finetune.jobs.command import build_command, detect_gpus, display_command
+from finetune.jobs.index import has_weights
 from finetune.jobs.paths import LOG_FILE, RUN_FILE, RUN_ID_RE, read_info, split_files, write_info
 from finetune.jobs.spec import JobSpec
 from finetune.jobs.status import RunStatus, current_status, read_events, status_of
@@ -245,7 +246,7 @@ class RunManager:
         for run_id in self.runs():
             final = self.root / run_id / FINAL
             adapter = is_adapter_dir(final)
-            if not adapter and not (final / "config.json").is_file():
+            if not adapter and not has_weights(final):  # as the runs index (and so the model picker) says
                 continue
             notes = []
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
