@@ -193,7 +193,8 @@ def _random_config(rng: random.Random) -> TrainConfig | None:
         "report_to": TRACKERS,
         "hub_model_id": ("me/chat", None),
         # A dataset name is checked as a Hub id or a loader's name: random text is mostly refused.
-        "dataset_name": ("smangrul/MuDoConv", "me/my-dialogues", "json"),
+        "dataset_name": ("smangrul/MuDoConv", "me/my-dialogues", "sample"),
+        "context_scorer": (None, "tiny", "me/scorer"),  # a preset, a Hub id or a model folder
         "objective": ("sft",),  # dpo/kto need a preference file, which the round trip leaves out
         "preference_file": (None,),
         "preference_validation_file": (None,),
