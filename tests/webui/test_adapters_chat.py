@@ -108,7 +108,10 @@ def test_compare_two_adapters_of_the_serving_base(runs, engine):
     assert compare_handlers.pair_markdown(slot).startswith("**A**: bob/final · **B**: ann/final")
     *_, last = compare_handlers.send(slot, "hi there!", "persona", PERSONA, [], [])
     _, pane_a, pane_b, pending, *_ = last
+    pair = pending.pop("pair")  # what a vote keeps for preference rows (issue 27)
     assert pending == {"a": str(runs / "bob" / "final"), "b": str(runs / "ann" / "final"), "message": "hi there!"}
+    assert (pair["kind"], pair["context"], pair["turns"]) == ("persona", PERSONA, ["hi there!"])
+    assert (pair["reply_a"], pair["reply_b"]) == (pane_a[-1]["content"], pane_b[-1]["content"])
     for pane, model in ((pane_a, "bob"), (pane_b, "ann")):
         expected = engine.reply(Conversation("persona", PERSONA, model=model), "hi there!", compare_handlers.SETTINGS)
         assert pane[-1]["content"] == expected[0]
