@@ -126,7 +126,7 @@ def test_a_flood_of_new_sessions_stays_bounded_and_keeps_the_trainer_logged_in(a
 
 def test_malformed_api_calls_get_a_reason_not_null(app):
     base = app.url.rstrip("/")
-    for data in (["hi"], [], ["hi", "none", "", "fast", 5, None], ["hi \ud800", "none", "", "fast", None, None]):
+    for data in (["hi"], [], ["hi", "none", "", "fast", 5, None], ["hi \ud800", "none", "", "fast", None, None, ""]):
         body = json.dumps({"data": data})  # ASCII JSON: a lone surrogate travels as "\\ud800", as from a browser
         event = httpx.post(
             base + "/gradio_api/call/chat", content=body, timeout=30, headers={"content-type": "application/json"}
