@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import gradio as gr
 import pandas as pd
 
+from finetune.jobs.index import list_runs
 from finetune.jobs.status import RunStatus, bleu_parts_text
 from webui.train_handlers import TrainTab, server_paths_hidden
 
@@ -199,7 +200,9 @@ def live_view(
         "bleu": bleu_frame(status),
         "samples": samples_frame(status),
         "log": server_paths_hidden("\n".join(status.log_tail.splitlines()[-LOG_LINES:]), tab),
-        "finals": tuple(path for _, path in tab.manager.finished_runs()),
+        # The model lists follow the runs index (what the picker reads): a run is listed once its
+        # final model and its end are both written, and the lists redraw when that set changes.
+        "finals": tuple(r.final_dir for r in list_runs(tab.manager.root) if r.final_dir),
     }
     cache = dict(cache or {})
     state = f"{status.run_id}:{status.state}"

@@ -176,6 +176,7 @@ def test_ticking_feedback_preselects_the_served_run(tab):
     run_dir = tab.manager.root / "20250101-000000-abcdef"
     (run_dir / "final").mkdir(parents=True)
     (run_dir / "final" / "config.json").write_text("{}")
+    (run_dir / "final" / "model.safetensors").write_bytes(b"")  # config and weights: a complete model
     spec = JobSpec(app_config("tiny", dataset_name="sample"))
     (run_dir / "run.json").write_text(json.dumps({"run_id": run_dir.name, "spec": spec.to_dict(), "metrics_offset": 0}))
     final = run_dir / "final"

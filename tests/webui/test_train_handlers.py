@@ -260,6 +260,8 @@ def test_model_choices_list_finished_runs(tab):
     final.mkdir(parents=True)
     (final.parent / "run.json").write_text("{}")
     (final / "config.json").write_text("{}")
+    assert str(final) not in [v for _, v in train_handlers.base_model_choices(tab)]  # no weights yet: not finished
+    (final / "model.safetensors").write_bytes(b"")
     assert [v for _, v in train_handlers.base_model_choices(tab)][-2] == str(final)
     # a finished run is a valid base model on the CPU
     made = train_handlers.spec_from_form(tab, form(tab, model_name_or_path=str(final)), None)
@@ -483,6 +485,7 @@ def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
     run_dir = tab.manager.root / run_id
     (run_dir / "final").mkdir(parents=True)
     (run_dir / "final" / "config.json").write_text("{}")
+    (run_dir / "final" / "model.safetensors").write_bytes(b"")  # a complete final model: config and weights
     spec = JobSpec(app_config("tiny", dataset_name="sample"))
     (run_dir / "run.json").write_text(
         json.dumps(
