@@ -4,6 +4,12 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests check values, not speed: on a busy 2-core CI machine a slow example or a slow
+# data draw is noise, not a failure.
+settings.register_profile("project", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("project")
 
 # Offline and isolated before any Hugging Face library is imported by a test module.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -19,6 +25,18 @@ def _isolated_cache(tmp_path_factory):
     # The app's state (browser-state key, the served model's choice: webui/server_state.py), not the user's.
     os.environ["PERSONA_CHAT_STATE"] = str(tmp_path_factory.mktemp("persona-chat-state"))
     yield cache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_manager_roots():
+    """Each test module sees only the runs roots of its own RunManagers: the process-wide set
+    (finetune.jobs.paths.allow_root) would otherwise carry other tests' roots, and one of them with a
+    corrupt run.json (the runs view's tests) rightly stops the upload cleaner from removing anything."""
+    from finetune.jobs import paths
+
+    before = set(paths._MANAGER_ROOTS)
+    yield
+    paths._MANAGER_ROOTS.intersection_update(before)
 
 
 @pytest.fixture(scope="session")

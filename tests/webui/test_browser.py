@@ -137,8 +137,11 @@ def test_chat_train_and_serve_the_new_model(served, page):
     # (its 8 rows and 1 beam are not the demo model's measure: the two BLEU figures are not compared)
     expect(page.locator("#model-bleu")).to_contain_text("Not comparable with the serving model's BLEU")
     page.locator("#model-load").click()
+    # (a load reads the weights from disk: seconds on a busy 2-core CI machine, more than expect's 5 s)
+    expect(page.locator("#model-load-note")).to_contain_text(
+        "measured differently, so they were not compared", timeout=60_000
+    )
     expect(page.locator("#serving-status")).to_contain_text(f"Serving {run_id}/final")  # the short label
-    expect(page.locator("#model-load-note")).to_contain_text("measured differently, so they were not compared")
     assert served.engine.current.name == final
     # the conversation goes on with the new model: its reply, and a note after it that the model changed
     before = bot_messages(page).count()

@@ -455,5 +455,6 @@ def test_the_page_is_short_and_buttons_keep_their_words(page, request):
     page.screenshot(path=str(request.getfixturevalue("shots") / f"train-7-push-row-{page.size}.png"))
     assert all(n == 1 for n in lines.values()), lines  # each button's words on one line, none cut off
     if page.size == "phone":
-        # 3,410 px before this module's fixes; the Objective row and the runs view's accordion add ~130
-        assert height <= 3600, height
+        # 3,410 px before this module's fixes; the Objective row and the runs view's accordion add ~130:
+        # 3,538 px measured here and 3,690 px on CI's bare machine (other fonts); a new section would add 300+
+        assert height <= 3800, height

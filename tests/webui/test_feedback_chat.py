@@ -232,11 +232,12 @@ def test_the_model_that_answered_is_recorded_not_the_one_serving_at_rating_time(
     assert engine.current.name == str(other)
     new_chat, new_replies = say(engine, "hello", [], {})  # a new chat starts with the served one
     assert new_replies[1]["model"] == str(other) and new_replies[1]["id"] == "second"
-    # The old chat's model left with the swap (another base model): its next message gets a note
-    # saying so, not a reply from another bot.
-    with pytest.warns(UserWarning, match="This chat was with demo-model, which is no longer loaded"):
-        after, kept = say(engine, "and you?", history, replies)
-    assert chat_handlers.is_notice(after[-1]) and set(kept) == {1}
+    # The old chat's model left with the swap (another base model): its next message is answered by
+    # the model serving now, and a note after the reply says the model changed.
+    after, kept = say(engine, "and you?", history, replies)
+    assert chat_handlers.is_notice(after[-1]) and not chat_handlers.is_notice(after[-2])
+    assert "now second/final" in after[-1]["metadata"]["title"]
+    assert set(kept) == {1, 3} and kept[3]["model"] == str(other)
     engine.swap(str(DEMO_DIR))  # served when the rating comes: not what answered
     feedback_handlers.like(visitor(), new_chat, new_replies, 1, True, store)
     feedback_handlers.like(visitor(), history, replies, 1, True, store)

@@ -191,9 +191,10 @@ def test_the_chat_tab_stores_on_every_save_and_restores_on_opening_a_saved_chat(
     def events(target, event):
         return [d for d in config["dependencies"] if [target, event] in [list(t) for t in d["targets"]]]
 
-    # Beside ChatInterface's own refresh of the list, one event stores the settings.
+    # Beside ChatInterface's own refresh of the list (and the page's mark of the open chat), one event
+    # stores the settings in the browser.
     changes = events(chat.saved_conversations._id, "change")
-    (store_event,) = [d for d in changes if chat.chat_history_dataset._id not in d["outputs"]]
+    (store_event,) = [d for d in changes if any(by_id[o]["type"] == "browserstate" for o in d["outputs"])]
     (store,) = store_event["outputs"]
     assert by_id[store]["props"]["storage_key"] == saved_chats.STORAGE_KEY
     restore = [d for d in events(chat.chat_history_dataset._id, "click") if store in d["inputs"]]
