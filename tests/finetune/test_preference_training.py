@@ -2,7 +2,7 @@
 sample preference set (chosen = the dataset's reply, rejected = the demo model's own greedy reply,
 data/sample/preferences-*.jsonl), DeepSpeed ZeRO-2 on 2 CPU processes as the app runs it: held-out
 preference accuracy rises by at least 40 points with BLEU within 2 points of its start (full
-fine-tuning; with a LoRA adapter by 40 points, its BLEU drop flagged); a resumed run ends with the
+fine-tuning; with a LoRA adapter by 40 points, its BLEU drop reported and flagged past 2 points); a resumed run ends with the
 uninterrupted run's weights; KTO raises its accuracy; bad preference files fail before training,
 naming the file, row and problem."""
 
@@ -121,21 +121,21 @@ def test_a_resumed_dpo_run_ends_with_the_uninterrupted_runs_weights(dpo_run, tmp
     assert results["start_eval_bleu"] == json.loads((dpo_run / "all_results.json").read_text())["start_eval_bleu"]
 
 
-def test_dpo_with_a_lora_adapter_learns_the_preferences_and_a_bleu_drop_is_flagged(tmp_path):
-    """LoRA on the same set (measured: 3e-4 gave +23 points of accuracy for -0.7 BLEU, 5e-4 +39 for
-    -2.6, 8e-4 +50 for -4.6): no setting tried met both bounds, so this run takes the accuracy and
-    shows the flag of a BLEU that fell more than 2 points below its start."""
-    out = run_zero2(
-        tmp_path / "run",
-        [*DPO, "--max_train_steps", "70", "--adapter", "lora", "--lora_r", "8", "--learning_rate", "8e-4"],
-    )
+def test_dpo_with_a_lora_adapter_learns_the_preferences_and_its_bleu_drop_is_reported(tmp_path):
+    """LoRA on the same set at the setting measured best (r 16, alpha 32, 4e-4: over 7 seeds on one
+    GPU, +43 to +47 points of accuracy every time, BLEU -1.2 to -4.0, within 2 points in 3 of 7;
+    docs/benchmarks.md): the accuracy is asserted, the BLEU drop is reported and flagged exactly
+    when it passes 2 points (which side of 2 a seed lands on is noise of 187 rows)."""
+    lora = ["--adapter", "lora", "--lora_r", "16", "--lora_alpha", "32", "--learning_rate", "4e-4"]
+    out = run_zero2(tmp_path / "run", [*DPO, "--max_train_steps", "70", *lora])
     start, end = start_and_end(out)
     assert end["eval_pref_accuracy"] >= start["eval_pref_accuracy"] + 0.40, (start, end)
     assert (out / "final" / "adapter_model.safetensors").is_file()
     results = json.loads((out / "all_results.json").read_text())
-    assert results["bleu_drop"] == pytest.approx(start["eval_bleu"] - end["eval_bleu"]) and results["bleu_drop"] > 2
-    assert results["bleu_drop_flag"] is True
-    assert "(fell more than 2 points: flagged)" in (out / "final" / "README.md").read_text()
+    assert results["bleu_drop"] == pytest.approx(start["eval_bleu"] - end["eval_bleu"])
+    assert results["bleu_drop_flag"] is (results["bleu_drop"] > 2)
+    flagged = "(fell more than 2 points: flagged)" in (out / "final" / "README.md").read_text()
+    assert flagged is results["bleu_drop_flag"]
 
 
 def test_kto_raises_the_share_of_replies_it_rates_right(tmp_path):
