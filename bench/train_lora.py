@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/bench-lora", help="Folder for data, runs, results.json and results.md.")
     parser.add_argument("--parts", default="gpu", help=f"Comma-separated subset of {', '.join(PARTS)}.")
     parser.add_argument("--batch", type=int, default=800, help="GPU micro-batch of the same-batch runs (then 'auto').")
+    parser.add_argument(
+        "--gpu_batches", default="batch,auto", help="The GPU runs' micro-batches: 'batch' (--batch), 'auto', or both."
+    )
     parser.add_argument("--gpu_steps", type=int, default=12, help="Optimizer steps of each GPU run.")
     parser.add_argument("--processes", type=int, default=2, choices=(1, 2), help="CPU processes (2: ZeRO-2).")
     parser.add_argument("--cpu_steps", type=int, default=6, help="Optimizer steps of each CPU run.")
@@ -327,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds or set(kinds) - set(KINDS):
         parser.error(f"--kinds takes a comma-separated subset of {', '.join(KINDS)}; got {args.kinds!r}")
+    gpu_batches = [b.strip() for b in args.gpu_batches.split(",") if b.strip()]
+    if not gpu_batches or set(gpu_batches) - {"batch", "auto"}:
+        parser.error(f"--gpu_batches takes 'batch', 'auto' or both; got {args.gpu_batches!r}")
     if min(args.batch, args.gpu_steps, args.cpu_steps) < 1:
         parser.error("--batch, --gpu_steps and --cpu_steps must be >= 1")
     import torch
@@ -347,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         report["data"] = write_data(data_dir, args.smoke)
     plan = []
     if "gpu" in parts:
-        for batch in (args.batch, "auto"):
+        for batch in [args.batch if b == "batch" else "auto" for b in gpu_batches]:
             plan += [
                 timing_run(k, data_dir, work, gpu=True, processes=1, batch=batch, steps=args.gpu_steps, smoke=False)
                 for k in GPU_KINDS

@@ -14,11 +14,13 @@ nearly doubles the activations (finetune/memory.py counts them).
 * ``torch.addmm(result, h, B^T, alpha=scaling)``: the scaled B product added into the base's
   output by one matrix product, no intermediate output-sized tensors, and none in the backward
   pass either (the scaling goes to the rank-r gradients);
-* on a GPU, with a LoRA dropout, ``h = A(dropout(x))`` runs under activation checkpointing: the
-  backward pass recomputes the dropped input from the saved RNG state (the same mask) instead of
-  keeping it, so only ``x`` (which the rest of the layer keeps anyway) and the rank-r ``h`` are
-  held. On a CPU drawing the mask is what costs (about a fifth of the base projection's matrix
-  product on 1,024 tokens), so it is drawn once and kept, as peft does.
+* on a GPU, with a LoRA dropout, ``h = A(dropout(x))`` is finetune/lora_dropout.py's Triton
+  kernels: the mask is drawn inside each kernel from a hash of (seed, element) and never stored,
+  so only ``x`` (which the rest of the layer keeps anyway) and the rank-r ``h`` are held, and no
+  dropped copy of ``x`` is written or read. Without Triton (or under autocast) the same product
+  runs under activation checkpointing: the backward pass recomputes the dropped input from the
+  saved RNG state. On a CPU drawing the mask is what costs (about a fifth of the base projection's
+  matrix product on 1,024 tokens), so it is drawn once and kept, as peft does.
 
 Anything else (merged or disabled adapters, several active adapters, DoRA and other variants,
 ZeRO-3's partitioned weights that only a module call gathers) goes to peft's own forward. The
@@ -31,6 +33,8 @@ import torch
 from peft.tuners.lora.layer import Linear
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from finetune import lora_dropout
 
 RECOMPUTE_DROPOUT_ON = ("cuda",)  # device types where the dropped input is recomputed, not kept
 
@@ -68,7 +72,10 @@ class FusedLinear(Linear):
         lora_a, lora_b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
         x = self._cast_input_dtype(x, lora_a.weight.dtype)
         if isinstance(dropout, nn.Dropout) and dropout.p > 0 and self.training and recompute(x):
-            h = checkpoint(_down, x, dropout, lora_a, use_reentrant=False)  # the mask is recomputed, not kept
+            if lora_a.bias is None and lora_dropout.available(x, lora_a.weight):
+                h = lora_dropout.dropped_down(x, lora_a.weight, dropout.p)  # the mask drawn in the kernels
+            else:
+                h = checkpoint(_down, x, dropout, lora_a, use_reentrant=False)  # the mask is recomputed, not kept
         else:
             h = lora_a(dropout(x))
         flat = result.reshape(-1, result.shape[-1])
