@@ -4,11 +4,12 @@ Dropout before a rank-r projection is cheap in arithmetic (r = 8: almost no work
 memory traffic: PyTorch writes the dropped copy of ``x`` and its mask, reads them back for the
 product, and the backward pass needs them again (finetune/lora_layer.py recomputes them instead of
 keeping them). For a 400M model in bf16 those passes made a LoRA run with dropout 0.05 run at 0.87x
-full fine-tuning's samples/s, against 1.02x without dropout (docs/benchmarks.md).
+full fine-tuning's samples/s, against 1.02x without dropout; with these kernels 0.92x
+(docs/benchmarks.md: they are bound by the hash, not by memory).
 
 Here the mask is never stored: each kernel reads ``x`` once and draws every element's keep/drop
-decision from Philox with (seed, element index), so the three kernels agree on the mask without
-sharing memory:
+decision from a keyed 32-bit integer hash of its index (the seed is the key), so the three kernels
+agree on the mask without sharing memory:
 
 * forward: ``h = (x * keep) @ A^T / (1 - p)``, accumulated in fp32;
 * ``dA = grad_h^T @ (x * keep) / (1 - p)``, reduced in fp32 over row blocks (split for parallelism);
