@@ -84,9 +84,9 @@ class TrainParts:
     cache: gr.State  # what this page shows, so a redraw sends only changes
     timer: gr.Timer
     actions: list  # start / stop / resume / push events: redraw as soon as one succeeds
-    live: (
-        list  # run text, loss plot, BLEU plot, samples, log tail, action line, base-model dropdown (live_view's order)
-    )
+    # live_view's outputs in its order: run text, loss, BLEU and preference plots, samples, log tail,
+    # action line, base-model dropdown
+    live: list
     review: gr.Accordion  # the feedback review panel, whose label counts the pending rows
 
 
@@ -105,7 +105,6 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
     ui.__dict__.update(push_section().__dict__)
     gr.HTML(CSS, elem_id="train-css", padding=False, js_on_load=PAGE_JS)
     timer = gr.Timer(handlers.TICK_SECONDS, active=False)  # ticks only while the tab is shown (app.py)
-    view.connect_pref(train, timer, ui.pref)  # DPO / KTO runs: held-out preference accuracy
     connect_login(train, session, ui)
     actions = connect_actions(train, session, uploads, ui)
     connect_form(train, session, ui)
@@ -114,7 +113,7 @@ def build(train: TrainTab, session: gr.BrowserState) -> TrainParts:
         cache=cache,
         timer=timer,
         actions=actions,
-        live=[ui.run, ui.loss, ui.bleu, ui.samples, ui.log_tail, ui.action, ui.form["model_name_or_path"]],
+        live=[ui.run, ui.loss, ui.bleu, ui.pref, ui.samples, ui.log_tail, ui.action, ui.form["model_name_or_path"]],
         review=ui.review.panel,
     )
 

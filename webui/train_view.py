@@ -120,29 +120,6 @@ def pref_plot(height: int) -> gr.ScatterPlot:
     )
 
 
-def connect_pref(tab: TrainTab, timer: gr.Timer, plot: gr.ScatterPlot) -> None:
-    """Redraw the plot on the Train tab's timer (its own cache: only changes are sent)."""
-    cache = gr.State(None)
-    quiet = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}
-    timer.tick(lambda seen: pref_view(tab, seen), cache, [cache, plot], **quiet)
-
-
-def pref_view(tab: TrainTab, cache: dict | None) -> tuple:
-    """The preference accuracy plot's redraw on the timer's tick: (cache, the plot's update or
-    gr.skip() when nothing changed). The plot shows only for runs that report the figure."""
-    status = tab.manager.status()
-    frame, limits = pref_frame(status), {"x_lim": steps_axis(status), "y_lim": [0, 100]}
-    cache, points = dict(cache or {}), frame.to_json()
-    if cache.get("limits") != repr(limits):
-        # as live_view's plots: points sent with new limits can miss the new drawing, so they go again next tick
-        cache.update(limits=repr(limits), points="sent with new limits")
-        return cache, gr.update(value=frame, visible=not frame.empty, **limits)
-    if cache.get("points") == points:
-        return cache, gr.skip()
-    cache["points"] = points
-    return cache, gr.update(value=frame, visible=not frame.empty)
-
-
 def samples_frame(status: RunStatus) -> pd.DataFrame:
     rows = [
         {k: str(s.get(k, "")) for k in ("prompt", "prediction", "reference")} for s in status.samples[:SAMPLES_SHOWN]
@@ -181,8 +158,8 @@ def _signature(value) -> str:
 def live_view(
     tab: TrainTab, cache: dict | None, model_updates: Sequence[Callable[[], object]] = (), visitor: bool = True
 ) -> tuple:
-    """The timer's redraw: (cache, run text, loss, BLEU, samples, log tail, action line,
-    *model-list updates).
+    """The timer's redraw: (cache, run text, loss, BLEU, preference accuracy, samples, log tail,
+    action line, *model-list updates).
 
     Only what changed since this page's last redraw is sent (gr.skip() otherwise), so plots do
     not flicker and an open dropdown is not reset. The action line (what the last Start / Stop /
@@ -198,6 +175,7 @@ def live_view(
         "run": server_paths_hidden(run_markdown(status), tab),
         "loss": loss_frame(status),
         "bleu": bleu_frame(status),
+        "pref": pref_frame(status),  # DPO / KTO runs only: the plot shows when a run reports the figure
         "samples": samples_frame(status),
         "log": server_paths_hidden("\n".join(status.log_tail.splitlines()[-LOG_LINES:]), tab),
         # The model lists follow the runs index (what the picker reads): a run is listed once its
@@ -214,19 +192,20 @@ def live_view(
         changed[key] = cache.get(key) != signature
         cache[key] = signature
     plots = {}
-    for key in ("loss", "bleu"):
-        limits = {"x_lim": steps_axis(status), "y_lim": values_axis(values[key], key)}
+    for key in ("loss", "bleu", "pref"):
+        y_lim = [0, 100] if key == "pref" else values_axis(values[key], key)
+        limits = {"x_lim": steps_axis(status), "y_lim": y_lim}
+        shown = {"visible": not values[key].empty} if key == "pref" else {}
         if cache.get(f"{key} limits") != repr(limits):
             # gradio (6.31) draws a plot whose limits change anew, asynchronously, and points sent with
             # the change can go to the drawing being replaced (a finished run's only BLEU point was never
             # drawn): the points are sent again with the next redraw, to the new drawing.
-            plots[key] = gr.update(value=values[key], **limits)
+            plots[key] = gr.update(value=values[key], **limits, **shown)
             cache[f"{key} limits"], cache[key] = repr(limits), "sent with new limits"
         elif changed[key]:
-            plots[key] = values[key]
-    out = [
-        plots.get(key, values[key] if changed[key] else gr.skip()) for key in ("run", "loss", "bleu", "samples", "log")
-    ]
+            plots[key] = gr.update(value=values[key], **shown) if shown else values[key]
+    keys = ("run", "loss", "bleu", "pref", "samples", "log")
+    out = [plots.get(key, values[key] if changed[key] else gr.skip()) for key in keys]
     out.append("" if ended else gr.skip())
     out += [make() if changed["finals"] else gr.skip() for make in model_updates]
     return (cache, *out)

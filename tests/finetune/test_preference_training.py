@@ -2,9 +2,9 @@
 sample preference set (chosen = the dataset's reply, rejected = the demo model's own greedy reply,
 data/sample/preferences-*.jsonl), DeepSpeed ZeRO-2 on 2 CPU processes as the app runs it: held-out
 preference accuracy rises by at least 40 points with BLEU within 2 points of its start (full
-fine-tuning; with a LoRA adapter by 40 points, its BLEU drop reported and flagged past 2 points); a resumed run ends with the
-uninterrupted run's weights; KTO raises its accuracy; bad preference files fail before training,
-naming the file, row and problem."""
+fine-tuning; with a LoRA adapter by 40 points, its BLEU drop reported and flagged past 2 points);
+a resumed run ends with the uninterrupted run's weights; KTO raises its accuracy; bad preference
+files fail before training, naming the file, row and problem."""
 
 import json
 import re

@@ -180,14 +180,19 @@ def test_the_preference_accuracy_plot_shows_for_runs_that_report_it(tab, monkeyp
     ]
     assert "BLEU 3.00 · preference accuracy 75%" in train_view.run_markdown(status)
     monkeypatch.setattr(tab.manager, "status", lambda *a: status)
-    cache, update = train_view.pref_view(tab, None)
+
+    def pref_update(cache):  # the live view's preference plot (4th after the cache)
+        cache, *out = train_view.live_view(tab, cache)
+        return cache, out[3]
+
+    cache, update = pref_update(None)
     assert update["visible"] is True and update["y_lim"] == [0, 100] and len(update["value"]) == 2
-    cache, update = train_view.pref_view(tab, cache)  # sent again once after new limits (gradio redraws)
-    assert update["value"] is not None
-    cache, update = train_view.pref_view(tab, cache)
+    cache, update = pref_update(cache)  # sent again once after new limits (gradio redraws)
+    assert len(update["value"]) == 2 and update["visible"] is True
+    cache, update = pref_update(cache)
     assert update == gr.skip()
     monkeypatch.setattr(tab.manager, "status", lambda *a: RunStatus(run_id="s", total_steps=40))  # an SFT run
-    _, update = train_view.pref_view(tab, cache)
+    _, update = pref_update(cache)
     assert update["visible"] is False
 
 

@@ -511,9 +511,10 @@ def fake_finished_run(tab, run_id="20250101-000000-abcdef") -> Path:
 def test_live_view_sends_only_changes(tab):
     calls = []
     makers = (lambda: calls.append("train") or "train-models", lambda: calls.append("chat") or "chat-models")
-    cache, run, loss, bleu, samples, log_tail, action, train_models, chat_models = train_view.live_view(
+    cache, run, loss, bleu, pref, samples, log_tail, action, train_models, chat_models = train_view.live_view(
         tab, None, makers, visitor=False
     )
+    assert pref["visible"] is False and pref["y_lim"] == [0, 100]  # shown only for runs that report it
     loss = loss["value"]  # a plot's update: its points and axes
     assert run.startswith("💤 No run yet") and list(loss.columns) == ["step", "loss"] and loss.empty
     assert log_tail == "" and (train_models, chat_models) == ("train-models", "chat-models")
@@ -525,7 +526,7 @@ def test_live_view_sends_only_changes(tab):
     assert all(value == gr.skip() for value in again) and calls == ["train", "chat"]
 
     run_dir = fake_finished_run(tab)
-    cache, run, loss, bleu, samples, log_tail, action, train_models, chat_models = train_view.live_view(
+    cache, run, loss, bleu, pref, samples, log_tail, action, train_models, chat_models = train_view.live_view(
         tab, cache, makers
     )
     # both plots span the whole run (4 steps, and a little room for the last evaluation's point)
@@ -547,7 +548,8 @@ def test_live_view_sends_only_changes(tab):
     cache, *again = train_view.live_view(tab, cache, makers)
     pd.testing.assert_frame_equal(again[1], loss)
     pd.testing.assert_frame_equal(again[2], bleu)
-    assert all(value == gr.skip() for i, value in enumerate(again) if i not in (1, 2))
+    assert again[3]["visible"] is False and again[3]["value"].empty  # an SFT run: no preference points
+    assert all(value == gr.skip() for i, value in enumerate(again) if i not in (1, 2, 3))
     cache, *again = train_view.live_view(tab, cache, makers)
     assert all(value == gr.skip() for value in again)
 
@@ -564,10 +566,10 @@ def test_visitors_do_not_see_rows_of_uploaded_data_nor_server_paths(tab):
             f"12:00:00 INFO finetune: prompt: 'secret' | prediction: 'x' | reference: 'y'\n"
             f"12:00:01 INFO finetune: final model in {run_dir / 'final'}\n"
         )
-    _, run, _, _, samples, log_tail, _ = train_view.live_view(tab, None, visitor=True)
+    _, run, _, _, _, samples, log_tail, _ = train_view.live_view(tab, None, visitor=True)
     assert samples.empty and "secret" not in log_tail
     assert str(tab.manager.root) not in run + log_tail and f"runs/{run_dir.name}/final" in log_tail
-    _, run, _, _, samples, log_tail, _ = train_view.live_view(tab, None, visitor=False)  # the trainer sees them
+    _, run, _, _, _, samples, log_tail, _ = train_view.live_view(tab, None, visitor=False)  # the trainer sees them
     assert len(samples) == train_view.SAMPLES_SHOWN and "secret" in log_tail
     assert str(tab.manager.root) not in run + log_tail
 
@@ -647,7 +649,7 @@ def test_controls_are_locked_until_a_login(tab):
 def test_the_log_box_gets_the_newest_lines_newest_last(tab):
     run_dir = fake_finished_run(tab)
     (run_dir / "train.log").write_text("".join(f"line {i}\n" for i in range(100)))
-    log_tail = train_view.live_view(tab, None, visitor=False)[5]
+    log_tail = train_view.live_view(tab, None, visitor=False)[6]
     assert log_tail.splitlines() == [f"line {i}" for i in range(100 - train_view.LOG_LINES, 100)]
 
 
@@ -785,11 +787,11 @@ def test_the_action_line_is_cleared_when_the_run_ends(tab, monkeypatch):
     cache, actions = None, []
     for _ in range(6):
         cache, *out = train_view.live_view(tab, cache)
-        actions.append(out[5])
+        actions.append(out[6])
     # "Stopping run r: ..." stays while it stops, and goes once it has stopped; a resume's message stays
     assert actions == [gr.skip(), gr.skip(), gr.skip(), "", gr.skip(), gr.skip()]
     monkeypatch.setattr(tab.manager, "status", lambda *a: RunStatus(run_id="r", state="finished"))
-    assert train_view.live_view(tab, None)[6] == gr.skip()  # a page opening on an ended run: nothing to clear
+    assert train_view.live_view(tab, None)[7] == gr.skip()  # a page opening on an ended run: nothing to clear
 
 
 def test_the_plots_axes_fit_the_run_and_never_show_a_lone_value(tab):
