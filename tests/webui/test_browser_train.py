@@ -312,8 +312,10 @@ def test_a_tiny_run_shows_its_start_its_loss_curve_and_its_log(page, served):
     assert run.get_attribute("aria-live") == "polite" and run.get_attribute("role") == "status"
 
     # ---- the start: elapsed time, and what the CLI is doing, until the first step
+    # (this run's own: on the second page size the text shows the last size's finished run until a redraw)
+    run_id = served.tab.manager.runs()[0]
     seen: list[str] = []
-    wait_run(page, r"step \d+ / \d+", seen=seen)
+    wait_run(page, rf"Run {run_id}\b[\s\S]*step \d+ / \d+", seen=seen)
     starting = [m for m in (re.search(r"starting \((\d+) s\): (.+?)…", t) for t in seen) if m]
     assert len({m.group(1) for m in starting}) >= 2, seen  # the elapsed time counts
     phases = {m.group(2) for m in starting}
