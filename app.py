@@ -46,8 +46,9 @@ from webui.request_text import DropLoneSurrogates
 log = logging.getLogger("app")
 
 QUEUE_MAX_SIZE = 64
-# Up to 8 replies run at once; the engine batches concurrent ones into one generate() call.
-CONCURRENCY = 8
+# Up to 16 replies run at once, the CPU step loop's rows per step (chat.stepping.CPU_MAX_BATCH), so its
+# steps can fill; the engine batches concurrent replies (docs/chat-benchmarks.md).
+CONCURRENCY = 16
 # gradio refuses bigger uploads before they reach a handler (finetune.jobs checks again before parsing).
 # gradio keeps ~200 KB of state per browser session (a copy of every component's config), by default
 # for 10,000 sessions (~2 GB): 1,000 bounds it to ~200 MB. Nothing that matters lives only there: the

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from api.errors import APIError
 
 KEYS_ENV = "PERSONA_CHAT_API_KEYS"
-MAX_ACTIVE = 8  # API replies in progress at once (the chat's own concurrency, app.CONCURRENCY)
+MAX_ACTIVE = 16  # API replies in progress at once (the chat's own concurrency, app.CONCURRENCY)
 PER_ADDRESS = 2  # of which one client address may hold this many
 
 

@@ -47,8 +47,10 @@ log = logging.getLogger(__name__)
 
 SCHEDULER_ENV = "CHAT_SCHEDULER"
 SCHEDULERS = ("step", "static")
-# Rows per step on a CPU: measured with bench.chat --scheduler step (docs/chat-benchmarks.md).
-CPU_MAX_BATCH = 8
+# Rows per step on a CPU, measured with bench.chat_load on 2 idle cores (400M int8, 16 clients: 8 rows
+# 3.81 replies/s and first text after 2.53 s, 16 rows 4.38 and 0.83 s, 32 rows 4.75 and 0.76 s; the
+# app's 16 at once, app.CONCURRENCY, fill 16; docs/chat-benchmarks.md).
+CPU_MAX_BATCH = 16
 
 
 def scheduler(value: str | None = None) -> str:

@@ -416,7 +416,7 @@ def test_blocks_wiring(engine):
     public = [d for d in demo.fns.values() if d.api_visibility == "public"]
     assert [d.api_name for d in public] == ["chat"]
     assert demo._queue.max_size == app.QUEUE_MAX_SIZE == 64
-    assert demo._queue.default_concurrency_limit == app.CONCURRENCY == 8
+    assert demo._queue.default_concurrency_limit == app.CONCURRENCY == 16
     tabs = [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
     assert tabs == ["Chat", "Compare", "Train"]
 
