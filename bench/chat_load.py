@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import torch
 
 from bench.chat import prompt_set
 from bench.chat_adapters import make_adapter
-from bench.common import command_line, device_name, md_table, percentile, quiet_transformers, versions, write_json
+from bench.common import closed_loop, command_line, device_name, md_table, quiet_transformers, versions, write_json
 from chat.batching import Batcher
 from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.model import ModelLoadError
@@ -40,49 +38,12 @@ def make_batcher(scheduler: str, max_batch: int, on_gpu: bool = False) -> Batche
 
 
 def load_round(engine: ChatEngine, chats, clients: int, replies: int, settings) -> dict:
-    """``clients`` threads in a closed loop until ``replies`` replies are done; their timings."""
-    lock, latencies, firsts, texts, errors = threading.Lock(), [], [], {}, []
-    taken = iter(range(replies))
+    """``clients`` threads in a closed loop on the engine's stream until ``replies`` replies are done."""
 
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(taken, None)
-            if i is None:
-                return
-            conv, message = chats[i % len(chats)]
-            t0 = time.perf_counter()
-            first, text = None, ""
-            try:
-                for piece, _ in engine.stream(conv, message, settings):
-                    first, text = first or time.perf_counter() - t0, piece
-            except Exception as err:  # counted and shown, not a dead client and a missing row
-                with lock:
-                    errors.append(f"{type(err).__name__}: {err}")
-                    texts[i] = None
-                continue
-            with lock:
-                latencies.append(time.perf_counter() - t0)
-                firsts.append(first)
-                texts[i] = text
+    def make_stream(_k: int):
+        return lambda conv, message: (text for text, _ in engine.stream(conv, message, settings))
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {
-        "clients": clients,
-        "replies": replies,
-        "replies_per_s": replies / wall,
-        "p50": percentile(latencies, 50),
-        "p95": percentile(latencies, 95),
-        "first_text_p50": percentile(firsts, 50),
-        "texts": [texts[i] for i in range(replies)],
-        "errors": errors,
-    }
+    return closed_loop(make_stream, chats, clients, replies)
 
 
 def adapter_chats(engine: ChatEngine, spec: str, prompts, count: int, rank: int, root: Path):

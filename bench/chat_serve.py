@@ -17,54 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
-import time
 from dataclasses import replace
 
 from bench.api import api_stream, chat_stream, running_app
 from bench.chat import prompt_set
-from bench.common import command_line, cpu_name, md_table, percentile, quiet_transformers, versions, write_json
+from bench.common import closed_loop, command_line, cpu_name, md_table, quiet_transformers, versions, write_json
 from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.layout import DEMO_DIR
-
-
-def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
-    """``clients`` threads, each with its own client (``make_stream(k)`` gives client k's
-    ``stream(conv, message)``), sending until ``replies`` replies are done."""
-    lock, whole, firsts = threading.Lock(), [], []
-    taken = iter(range(replies))
-
-    def client(k: int) -> None:
-        stream = make_stream(k)
-        while True:
-            with lock:
-                i = next(taken, None)
-            if i is None:
-                return
-            conv, message = chats[i % len(chats)]
-            t0, first = time.perf_counter(), None
-            for text in stream(conv, message):
-                if first is None and text:
-                    first = time.perf_counter() - t0
-            with lock:
-                whole.append(time.perf_counter() - t0)
-                firsts.append(first if first is not None else whole[-1])
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {
-        "clients": clients,
-        "replies": replies,
-        "replies_per_s": replies / wall,
-        "p50": percentile(whole, 50),
-        "p95": percentile(whole, 95),
-        "first_text_p50": percentile(firsts, 50),
-    }
 
 
 def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int) -> dict:

@@ -10,6 +10,8 @@ import json
 import platform
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from chat.layout import SAMPLE_DIR
@@ -59,6 +61,56 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
+    """``clients`` threads in a closed loop, each with its own client (``make_stream(k)`` gives client
+    k's ``stream(conv, message)``, an iterator of the reply so far), sending ``chats`` in turn until
+    ``replies`` replies are done: replies/s, latency p50/p95, time to the first text p50, each reply's
+    final text (None where it failed) and the errors (a failed reply is counted, not a dead client)."""
+    lock, latencies, firsts, texts, errors = threading.Lock(), [], [], {}, []
+    taken = iter(range(replies))
+
+    def client(k: int) -> None:
+        stream = make_stream(k)
+        while True:
+            with lock:
+                i = next(taken, None)
+            if i is None:
+                return
+            conv, message = chats[i % len(chats)]
+            t0, first, text = time.perf_counter(), None, ""
+            try:
+                for text in stream(conv, message):
+                    if first is None and text:
+                        first = time.perf_counter() - t0
+            except Exception as err:  # noqa: BLE001 - reported in the results
+                with lock:
+                    errors.append(f"{type(err).__name__}: {err}")
+                    texts[i] = None
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+                firsts.append(first if first is not None else latencies[-1])
+                texts[i] = text
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {
+        "clients": clients,
+        "replies": replies,
+        "replies_per_s": replies / wall,
+        "p50": percentile(latencies, 50),
+        "p95": percentile(latencies, 95),
+        "first_text_p50": percentile(firsts, 50),
+        "texts": [texts.get(i) for i in range(replies)],
+        "errors": errors,
+    }
 
 
 def sample_rows(split: str = "validation") -> list[dict]:
