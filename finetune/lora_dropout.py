@@ -181,13 +181,14 @@ BLOCK_M, BLOCK_K, NUM_WARPS = 64, 64, 4
 SPLIT_BLOCKS = 16
 
 
-def _rank_block(rank: int) -> int:
-    return max(16, triton.next_power_of_2(rank))  # tl.dot wants 16 or more on every side
-
-
-def _launch_args(x2: torch.Tensor) -> dict:
-    # fp32 inputs multiply in full precision (as torch does by default), not TF32
+def _launch_args(x2: torch.Tensor, weight: torch.Tensor) -> dict:
+    """The kernels' shared compile-time arguments for x (rows, features) and A (rank, features)."""
+    rank, n_cols = weight.shape
     return {
+        "n_cols": n_cols,
+        "rank": rank,
+        "R": max(16, triton.next_power_of_2(rank)),  # tl.dot wants 16 or more on every side
+        # fp32 inputs multiply in full precision (as torch does by default), not TF32
         "PRECISION": "ieee" if x2.dtype == torch.float32 else "tf32",
         "BLOCK_M": BLOCK_M,
         "BLOCK_K": BLOCK_K,
@@ -205,8 +206,7 @@ class DroppedDown(torch.autograd.Function):
         weight = weight.contiguous()
         h = torch.empty(x2.shape[0], rank, dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(x2.shape[0], BLOCK_M),)
-        shape = {"n_cols": n_cols, "rank": rank, "R": _rank_block(rank)}
-        _forward[grid](x2, weight, h, x2.shape[0], seed, p, 1 / (1 - p), **shape, **_launch_args(x2))
+        _forward[grid](x2, weight, h, x2.shape[0], seed, p, 1 / (1 - p), **_launch_args(x2, weight))
         ctx.save_for_backward(x2, weight)
         ctx.p, ctx.seed, ctx.shape = p, seed, x.shape
         return h.view(*x.shape[:-1], rank)
@@ -217,7 +217,7 @@ class DroppedDown(torch.autograd.Function):
         rank, n_cols = weight.shape
         g = grad_h.reshape(-1, rank).contiguous().to(x2.dtype)
         n_rows, scale = x2.shape[0], 1 / (1 - ctx.p)
-        extra = {"n_cols": n_cols, "rank": rank, "R": _rank_block(rank), **_launch_args(x2)}
+        extra = _launch_args(x2, weight)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.empty_like(x2)
@@ -241,16 +241,3 @@ def new_seed() -> int:
 def dropped_down(x: torch.Tensor, weight: torch.Tensor, p: float, seed: int | None = None) -> torch.Tensor:
     """``dropout(x, p) @ weight^T`` (weight: LoRA's A, rank x features) on a GPU; see ``available``."""
     return DroppedDown.apply(x, weight, float(p), new_seed() if seed is None else int(seed))
-
-
-def keep_mask(n_rows: int, n_cols: int, p: float, seed: int, device) -> torch.Tensor:
-    """The (rows, features) keep mask the kernels draw for ``seed`` (for tests): the forward pass of
-    ones through one-hot rows of A reads it out, up to 16 features at a time."""
-    ones = torch.ones(n_rows, n_cols, device=device)
-    out = torch.empty(n_rows, n_cols, dtype=torch.bool, device=device)
-    for start in range(0, n_cols, 16):
-        width = min(16, n_cols - start)
-        pick = torch.zeros(width, n_cols, device=device)
-        pick[torch.arange(width), start + torch.arange(width)] = 1.0
-        out[:, start : start + width] = DroppedDown.apply(ones, pick, float(p), int(seed)) > 0
-    return out
