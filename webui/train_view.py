@@ -112,7 +112,7 @@ def pref_plot(height: int) -> gr.ScatterPlot:
         pref_frame(RunStatus()),
         x="step",
         y="accuracy",
-        y_lim=[0, 100],
+        y_lim=values_axis(pref_frame(RunStatus()), "accuracy"),
         title="Preference accuracy (%, held out)",
         height=height,
         visible=False,
@@ -144,7 +144,9 @@ def steps_axis(status: RunStatus) -> list[float | None]:
 def values_axis(frame: pd.DataFrame, y: str) -> list[float | None]:
     """A plot's y range: BLEU (a score from 0) from 0 to a little above its best; a curve of a
     single value so far the same (vega would make an axis of that one value, labelled with all its
-    digits, "7.5975885391"); otherwise fitted to the curve."""
+    digits, "7.5975885391"); otherwise fitted to the curve. Preference accuracy, a percentage: 0 to 100."""
+    if y == "accuracy":
+        return [0, 100]
     if y != "bleu" and frame[y].nunique() >= 2:
         return list(FIT)
     top = frame[y].max() if len(frame) else 0.0
@@ -193,8 +195,7 @@ def live_view(
         cache[key] = signature
     plots = {}
     for key in ("loss", "bleu", "pref"):
-        y_lim = [0, 100] if key == "pref" else values_axis(values[key], key)
-        limits = {"x_lim": steps_axis(status), "y_lim": y_lim}
+        limits = {"x_lim": steps_axis(status), "y_lim": values_axis(values[key], values[key].columns[-1])}
         shown = {"visible": not values[key].empty} if key == "pref" else {}
         if cache.get(f"{key} limits") != repr(limits):
             # gradio (6.31) draws a plot whose limits change anew, asynchronously, and points sent with
