@@ -217,11 +217,14 @@ def cpu_seconds_per_step(samples: list[tuple], logs: list[dict]) -> dict:
     if len(steady) < 2:
         return {}
 
-    def cpu_at(t: float) -> float:  # the first sample at or after t (sampled every 0.2 s)
-        return next((s[3] for s in samples if s[0] >= t), samples[-1][3])
+    def sample_at(t: float) -> int:  # the first sample at or after t (sampled every 0.2 s)
+        return next((i for i, s in enumerate(samples) if s[0] >= t), len(samples) - 1)
 
     first, last = steady[0], steady[-1]
-    return {"cpu_seconds_per_step": (cpu_at(last["time"]) - cpu_at(first["time"])) / (last["step"] - first["step"])}
+    a, b = sample_at(first["time"]), sample_at(last["time"])
+    if a == b:  # the steps went by between two samples: too fast to measure, not free
+        return {}
+    return {"cpu_seconds_per_step": (samples[b][3] - samples[a][3]) / (last["step"] - first["step"])}
 
 
 def memory_estimate(result: dict, capacity_gib: float) -> dict | None:
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 if k in kinds
             ]
     if "cpu" in parts:
-        steps, processes = (4, 1) if args.smoke else (args.cpu_steps, args.processes)
+        steps, processes = (16, 1) if args.smoke else (args.cpu_steps, args.processes)
         plan += [
             timing_run(k, data_dir, work, gpu=False, processes=processes, batch=8, steps=steps, smoke=args.smoke)
             for k in CPU_KINDS

@@ -114,3 +114,5 @@ def test_cpu_seconds_per_step_count_the_steps_after_the_first():
     logs = [{"step": s, "time": 10 * s} for s in (1, 2, 3, 4)]
     assert bench.cpu_seconds_per_step(samples, logs) == {"cpu_seconds_per_step": 30.0}
     assert bench.cpu_seconds_per_step(samples, logs[:2]) == {}
+    fast = [{"step": s, "time": 10 + s / 100} for s in (1, 2, 3, 4)]  # all between two samples
+    assert bench.cpu_seconds_per_step(samples, fast) == {}
