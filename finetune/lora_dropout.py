@@ -4,12 +4,15 @@ Dropout before a rank-r projection is cheap in arithmetic (r = 8: almost no work
 memory traffic: PyTorch writes the dropped copy of ``x`` and its mask, reads them back for the
 product, and the backward pass needs them again (finetune/lora_layer.py recomputes them instead of
 keeping them). For a 400M model in bf16 those passes made a LoRA run with dropout 0.05 run at 0.87x
-full fine-tuning's samples/s, against 1.02x without dropout; with these kernels 0.92x
-(docs/benchmarks.md: they are bound by the hash, not by memory).
+full fine-tuning's samples/s, against 1.02x without dropout; with these kernels (and
+finetune/lora_layer.LoraLinear) 1.09-1.14x (docs/benchmarks.md).
 
 Here the mask is never stored: each kernel reads ``x`` once and draws every element's keep/drop
-decision from a keyed 32-bit integer hash of its index (the seed is the key), so the three kernels
-agree on the mask without sharing memory:
+decision from a keyed integer hash, so the three kernels agree on the mask without sharing memory.
+The hash is what these kernels spend their time on, so one 32-bit hash (one lowbias32 round of the
+pair's index xor the seed) decides two elements, 16 bits each: an element of a 64-column tile's left
+half and its partner 32 columns to the right (so that each half-tile's mask is a plain elementwise
+array, no interleaving). p is drawn in steps of 1/65,536 and the scale uses that exact probability:
 
 * forward: ``h = (x * keep) @ A^T / (1 - p)``, accumulated in fp32;
 * ``dA = grad_h^T @ (x * keep) / (1 - p)``, reduced in fp32 over row blocks (split for parallelism);
@@ -62,21 +65,41 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _keep(seed, rows, cols, n_cols, p):
-        """The keep decision of elements (rows, cols), the same in every kernel: a keyed hash of the
-        element's index (two rounds, the key between them), its top 24 bits as a uniform in [0, 1)."""
-        index = (rows[:, None] * n_cols + cols[None, :]).to(tl.uint32)
-        bits = _mix(_mix(index) ^ seed.to(tl.uint32))
-        return (bits >> 8).to(tl.float32) * (1.0 / 16777216.0) >= p
+    def _keep(seed, rows, block, n_cols, threshold, BLOCK_K: tl.constexpr):
+        """The keep decisions of one (rows, BLOCK_K) tile, the same in every kernel, as its left and
+        right halves: one hash of (pair index ^ seed) for each element of the left half and its partner
+        BLOCK_K / 2 columns to the right, 16 bits each, an element kept when its bits >= threshold."""
+        HALF: tl.constexpr = BLOCK_K // 2
+        pairs_per_row = tl.cdiv(n_cols, BLOCK_K) * HALF
+        index = (rows[:, None] * pairs_per_row + block * HALF + tl.arange(0, HALF)[None, :]).to(tl.uint32)
+        bits = _mix(index ^ seed.to(tl.uint32))
+        cut = threshold.to(tl.uint32)
+        return (bits & 0xFFFF) >= cut, (bits >> 16) >= cut
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit
+    def _load_x(x_ptr, rows, cols, n_rows, n_cols):
+        inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        return tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=inside, other=0.0)
+
+    @triton.jit
+    def _load_a_t(a_ptr, ranks, cols, rank, n_cols):
+        """A^T's (len(cols), R) tile; ranks past ``rank`` read as 0."""
+        inside = (ranks[None, :] < rank) & (cols[:, None] < n_cols)
+        return tl.load(a_ptr + ranks[None, :] * n_cols + cols[:, None], mask=inside, other=0.0)
+
+    @triton.jit
+    def _store_dx(dx_ptr, dx, rows, cols, n_rows, n_cols):
+        inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        tl.store(dx_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit(do_not_specialize=["seed", "threshold"])
     def _forward(
         x_ptr,
         a_ptr,
         h_ptr,
         n_rows,
         seed,
-        p,
+        threshold,
         scale,
         n_cols: tl.constexpr,
         rank: tl.constexpr,
@@ -85,33 +108,33 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         R: tl.constexpr,
     ):
+        HALF: tl.constexpr = BLOCK_K // 2
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         ranks = tl.arange(0, R)
         acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
-            inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-            x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=inside, other=0.0)
-            x = tl.where(_keep(seed, rows, cols, n_cols, p), x, tl.zeros_like(x))
-            a_t = tl.load(  # A^T's (BLOCK_K, R) tile; ranks past ``rank`` read as 0
-                a_ptr + ranks[None, :] * n_cols + cols[:, None],
-                mask=(ranks[None, :] < rank) & (cols[:, None] < n_cols),
-                other=0.0,
-            )
-            acc += tl.dot(x, a_t, input_precision=PRECISION)
+        for block in range(0, tl.cdiv(n_cols, BLOCK_K)):
+            left = block * BLOCK_K + tl.arange(0, HALF)
+            right = left + HALF
+            keep_left, keep_right = _keep(seed, rows, block, n_cols, threshold, BLOCK_K)
+            x = _load_x(x_ptr, rows, left, n_rows, n_cols)
+            x = tl.where(keep_left, x, tl.zeros_like(x))
+            acc += tl.dot(x, _load_a_t(a_ptr, ranks, left, rank, n_cols), input_precision=PRECISION)
+            x = _load_x(x_ptr, rows, right, n_rows, n_cols)
+            x = tl.where(keep_right, x, tl.zeros_like(x))
+            acc += tl.dot(x, _load_a_t(a_ptr, ranks, right, rank, n_cols), input_precision=PRECISION)
         out = (acc * scale).to(h_ptr.dtype.element_ty)
         tl.store(
             h_ptr + rows[:, None] * rank + ranks[None, :], out, mask=(rows[:, None] < n_rows) & (ranks[None, :] < rank)
         )
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit(do_not_specialize=["seed", "threshold"])
     def _grad_weight(
         x_ptr,
         g_ptr,
         out_ptr,
         n_rows,
         seed,
-        p,
+        threshold,
         scale,
         n_cols: tl.constexpr,
         rank: tl.constexpr,
@@ -122,32 +145,38 @@ if triton is not None:
         SPLIT_BLOCKS: tl.constexpr,
     ):
         # Program (column block, split): its rows' share of grad_h^T @ dropped x, into out[split].
-        cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        HALF: tl.constexpr = BLOCK_K // 2
+        block = tl.program_id(0)
         split = tl.program_id(1)
+        left = block * BLOCK_K + tl.arange(0, HALF)
+        right = left + HALF
         ranks = tl.arange(0, R)
-        acc = tl.zeros((R, BLOCK_K), dtype=tl.float32)
-        for block in range(SPLIT_BLOCKS):  # this split's row blocks
-            rows = (split * SPLIT_BLOCKS + block) * BLOCK_M + tl.arange(0, BLOCK_M)
+        acc_left = tl.zeros((R, HALF), dtype=tl.float32)
+        acc_right = tl.zeros((R, HALF), dtype=tl.float32)
+        for step in range(SPLIT_BLOCKS):  # this split's row blocks
+            rows = (split * SPLIT_BLOCKS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
             live = rows < n_rows
-            x = tl.load(
-                x_ptr + rows[:, None] * n_cols + cols[None, :], mask=live[:, None] & (cols[None, :] < n_cols), other=0.0
-            )
-            x = tl.where(_keep(seed, rows, cols, n_cols, p), x, tl.zeros_like(x))
             g = tl.load(
                 g_ptr + rows[:, None] * rank + ranks[None, :], mask=live[:, None] & (ranks[None, :] < rank), other=0.0
             )
-            acc += tl.dot(tl.trans(g), x, input_precision=PRECISION)
-        inside = (ranks[:, None] < rank) & (cols[None, :] < n_cols)
-        tl.store(out_ptr + split * rank * n_cols + ranks[:, None] * n_cols + cols[None, :], acc * scale, mask=inside)
+            g_t = tl.trans(g)
+            keep_left, keep_right = _keep(seed, rows, block, n_cols, threshold, BLOCK_K)
+            x = _load_x(x_ptr, rows, left, n_rows, n_cols)
+            acc_left += tl.dot(g_t, tl.where(keep_left, x, tl.zeros_like(x)), input_precision=PRECISION)
+            x = _load_x(x_ptr, rows, right, n_rows, n_cols)
+            acc_right += tl.dot(g_t, tl.where(keep_right, x, tl.zeros_like(x)), input_precision=PRECISION)
+        out = out_ptr + split * rank * n_cols + ranks[:, None] * n_cols
+        tl.store(out + left[None, :], acc_left * scale, mask=(ranks[:, None] < rank) & (left[None, :] < n_cols))
+        tl.store(out + right[None, :], acc_right * scale, mask=(ranks[:, None] < rank) & (right[None, :] < n_cols))
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit(do_not_specialize=["seed", "threshold"])
     def _grad_input(
         g_ptr,
         a_ptr,
         dx_ptr,
         n_rows,
         seed,
-        p,
+        threshold,
         scale,
         n_cols: tl.constexpr,
         rank: tl.constexpr,
@@ -156,29 +185,36 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         R: tl.constexpr,
     ):
+        HALF: tl.constexpr = BLOCK_K // 2
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        block = tl.program_id(1)
         ranks = tl.arange(0, R)
         g = tl.load(
             g_ptr + rows[:, None] * rank + ranks[None, :],
             mask=(rows[:, None] < n_rows) & (ranks[None, :] < rank),
             other=0.0,
         )
-        a = tl.load(
-            a_ptr + ranks[:, None] * n_cols + cols[None, :],
-            mask=(ranks[:, None] < rank) & (cols[None, :] < n_cols),
-            other=0.0,
-        )
-        dx = tl.dot(g, a, input_precision=PRECISION) * scale
-        dx = tl.where(_keep(seed, rows, cols, n_cols, p), dx, tl.zeros_like(dx))
-        inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        tl.store(dx_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=inside)
+        keep_left, keep_right = _keep(seed, rows, block, n_cols, threshold, BLOCK_K)
+        left = block * BLOCK_K + tl.arange(0, HALF)
+        right = left + HALF
+        dx = tl.dot(g, tl.trans(_load_a_t(a_ptr, ranks, left, rank, n_cols)), input_precision=PRECISION) * scale
+        _store_dx(dx_ptr, tl.where(keep_left, dx, tl.zeros_like(dx)), rows, left, n_rows, n_cols)
+        dx = tl.dot(g, tl.trans(_load_a_t(a_ptr, ranks, right, rank, n_cols)), input_precision=PRECISION) * scale
+        _store_dx(dx_ptr, tl.where(keep_right, dx, tl.zeros_like(dx)), rows, right, n_rows, n_cols)
 
 
 BLOCK_M, BLOCK_K, NUM_WARPS = 64, 64, 4
 # The weight gradient sums over every row: each program sums SPLIT_BLOCKS row blocks of one column
 # block (columns alone give too few programs to fill a GPU), then the splits' fp32 parts are added.
 SPLIT_BLOCKS = 16
+BITS = 16  # an element's share of its pair's 32-bit hash: p is drawn in steps of 1 / 65536
+
+
+def threshold(p: float) -> tuple[int, float]:
+    """The 16-bit threshold for dropout ``p`` (an element is kept when its bits are at or above it)
+    and the scale 1 / (1 - the exact drop probability), so the expectation is unchanged."""
+    cut = min(round(p * 2**BITS), 2**BITS - 1)
+    return cut, 1 / (1 - cut / 2**BITS)
 
 
 def _launch_args(x2: torch.Tensor, weight: torch.Tensor) -> dict:
@@ -196,6 +232,34 @@ def _launch_args(x2: torch.Tensor, weight: torch.Tensor) -> dict:
     }
 
 
+def down(x2: torch.Tensor, weight: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """``h = dropout(x2) @ weight^T`` for x2 (rows, features), weight (rank, features)."""
+    h = torch.empty(x2.shape[0], weight.shape[0], dtype=x2.dtype, device=x2.device)
+    grid = (triton.cdiv(x2.shape[0], BLOCK_M),)
+    _forward[grid](x2, weight, h, x2.shape[0], seed, *threshold(p), **_launch_args(x2, weight))
+    return h
+
+
+def down_grad_input(g: torch.Tensor, weight: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """``dx = (g @ weight) * keep / (1 - p)`` for g (rows, rank): the gradient of ``down``'s x2."""
+    n_rows, n_cols = g.shape[0], weight.shape[1]
+    dx = torch.empty(n_rows, n_cols, dtype=weight.dtype, device=g.device)
+    grid = (triton.cdiv(n_rows, BLOCK_M), triton.cdiv(n_cols, BLOCK_K))
+    _grad_input[grid](g, weight, dx, n_rows, seed, *threshold(p), **_launch_args(dx, weight))
+    return dx
+
+
+def down_grad_weight(x2: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """``dA = g^T @ (x2 * keep) / (1 - p)``: the gradient of ``down``'s weight."""
+    (rank, n_cols), n_rows = weight.shape, x2.shape[0]
+    splits = triton.cdiv(n_rows, SPLIT_BLOCKS * BLOCK_M)
+    parts = torch.empty(splits, rank, n_cols, dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(n_cols, BLOCK_K), splits)
+    extra = _launch_args(x2, weight)
+    _grad_weight[grid](x2, g, parts, n_rows, seed, *threshold(p), SPLIT_BLOCKS=SPLIT_BLOCKS, **extra)
+    return parts.sum(0).to(weight.dtype)
+
+
 class DroppedDown(torch.autograd.Function):
     """``dropout(x, p) @ weight^T`` with the mask drawn in the kernels (module docstring)."""
 
@@ -204,9 +268,7 @@ class DroppedDown(torch.autograd.Function):
         rank, n_cols = weight.shape
         x2 = x.reshape(-1, n_cols).contiguous()
         weight = weight.contiguous()
-        h = torch.empty(x2.shape[0], rank, dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(x2.shape[0], BLOCK_M),)
-        _forward[grid](x2, weight, h, x2.shape[0], seed, p, 1 / (1 - p), **_launch_args(x2, weight))
+        h = down(x2, weight, p, seed)
         ctx.save_for_backward(x2, weight)
         ctx.p, ctx.seed, ctx.shape = p, seed, x.shape
         return h.view(*x.shape[:-1], rank)
@@ -214,22 +276,12 @@ class DroppedDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
         x2, weight = ctx.saved_tensors
-        rank, n_cols = weight.shape
-        g = grad_h.reshape(-1, rank).contiguous().to(x2.dtype)
-        n_rows, scale = x2.shape[0], 1 / (1 - ctx.p)
-        extra = _launch_args(x2, weight)
+        g = grad_h.reshape(-1, weight.shape[0]).contiguous().to(x2.dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.empty_like(x2)
-            grid = (triton.cdiv(n_rows, BLOCK_M), triton.cdiv(n_cols, BLOCK_K))
-            _grad_input[grid](g, weight, grad_x, n_rows, ctx.seed, ctx.p, scale, **extra)
-            grad_x = grad_x.view(ctx.shape)
+            grad_x = down_grad_input(g, weight, ctx.p, ctx.seed).view(ctx.shape)
         if ctx.needs_input_grad[1]:
-            splits = triton.cdiv(n_rows, SPLIT_BLOCKS * BLOCK_M)
-            parts = torch.empty(splits, rank, n_cols, dtype=torch.float32, device=x2.device)
-            grid = (triton.cdiv(n_cols, BLOCK_K), splits)
-            _grad_weight[grid](x2, g, parts, n_rows, ctx.seed, ctx.p, scale, SPLIT_BLOCKS=SPLIT_BLOCKS, **extra)
-            grad_w = parts.sum(0).to(weight.dtype)
+            grad_w = down_grad_weight(x2, g, weight, ctx.p, ctx.seed)
         return grad_x, grad_w, None, None
 
 

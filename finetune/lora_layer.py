@@ -17,10 +17,13 @@ nearly doubles the activations (finetune/memory.py counts them).
 * on a GPU, with a LoRA dropout, ``h = A(dropout(x))`` is finetune/lora_dropout.py's Triton
   kernels: the mask is drawn inside each kernel from a hash of (seed, element) and never stored,
   so only ``x`` (which the rest of the layer keeps anyway) and the rank-r ``h`` are held, and no
-  dropped copy of ``x`` is written or read. Without Triton (or under autocast) the same product
-  runs under activation checkpointing: the backward pass recomputes the dropped input from the
-  saved RNG state. On a CPU drawing the mask is what costs (about a fifth of the base projection's
-  matrix product on 1,024 tokens), so it is drawn once and kept, as peft does.
+  dropped copy of ``x`` is written or read. With a plain ``nn.Linear`` base the whole layer is
+  then one autograd function (``LoraLinear``), so that the input's gradient is written once: the
+  base's product adds onto the LoRA path's instead of autograd summing two written copies.
+* Without Triton (or under autocast) the same product runs under activation checkpointing: the
+  backward pass recomputes the dropped input from the saved RNG state. On a CPU drawing the mask
+  is what costs (about a fifth of the base projection's matrix product on 1,024 tokens), so it is
+  drawn once and kept, as peft does.
 
 Anything else (merged or disabled adapters, several active adapters, DoRA and other variants,
 ZeRO-3's partitioned weights that only a module call gathers) goes to peft's own forward. The
@@ -68,19 +71,61 @@ class FusedLinear(Linear):
         name = self._plain_case(args, kwargs)
         if name is None:
             return super().forward(x, *args, **kwargs)
-        result = self.base_layer(x)
+        base = self.base_layer
         lora_a, lora_b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
         x = self._cast_input_dtype(x, lora_a.weight.dtype)
         if isinstance(dropout, nn.Dropout) and dropout.p > 0 and self.training and recompute(x):
             if lora_a.bias is None and lora_dropout.available(x, lora_a.weight):
+                if type(base) is nn.Linear and lora_b.bias is None and base.weight.dtype == x.dtype:
+                    args = (base.weight, base.bias, lora_a.weight, lora_b.weight, self.scaling[name], dropout.p)
+                    return LoraLinear.apply(x, *args, lora_dropout.new_seed())
                 h = lora_dropout.dropped_down(x, lora_a.weight, dropout.p)  # the mask drawn in the kernels
             else:
                 h = checkpoint(_down, x, dropout, lora_a, use_reentrant=False)  # the mask is recomputed, not kept
         else:
             h = lora_a(dropout(x))
+        result = base(x)
         flat = result.reshape(-1, result.shape[-1])
         out = torch.addmm(flat, h.reshape(-1, h.shape[-1]), lora_b.weight.t(), alpha=self.scaling[name])
         return out.view(result.shape)
+
+
+class LoraLinear(torch.autograd.Function):
+    """``x @ W^T + bias + scaling * (dropout(x) @ A^T) @ B^T`` on a GPU, the dropout drawn in
+    finetune/lora_dropout.py's kernels, with each output-sized and input-sized tensor written once:
+    the B product is added into the base's output in place, and in the backward pass the base's
+    input gradient is added onto the LoRA path's by the same matrix product (cuBLAS's beta = 1),
+    where autograd would write both and then a third tensor with their sum. Only ``x`` (which the
+    caller keeps anyway) and the rank-r ``h`` are saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, p: float, seed: int):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        h = lora_dropout.down(x2, lora_a.contiguous(), p, seed)
+        out = torch.nn.functional.linear(x2, weight, bias)
+        out.addmm_(h, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, weight, lora_a, lora_b, h)
+        ctx.scaling, ctx.p, ctx.seed, ctx.shape, ctx.has_bias = scaling, p, seed, x.shape, bias is not None
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight, lora_a, lora_b, h = ctx.saved_tensors
+        g = grad_out.reshape(-1, weight.shape[0]).to(x2.dtype)
+        gh = torch.mm(g, lora_b) * ctx.scaling  # the gradient of h: (rows, rank)
+        grad_x = grad_w = grad_bias = grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = lora_dropout.down_grad_input(gh, lora_a.contiguous(), ctx.p, ctx.seed)
+            grad_x = grad_x.addmm_(g, weight).view(ctx.shape)  # + the base's, in the same product
+        if ctx.needs_input_grad[1]:  # a trainable base (not LoRA's usual frozen one)
+            grad_w = g.t() @ x2
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0)
+        if ctx.needs_input_grad[3]:
+            grad_a = lora_dropout.down_grad_weight(x2, gh, lora_a, ctx.p, ctx.seed)
+        if ctx.needs_input_grad[4]:
+            grad_b = (g.t() @ h) * ctx.scaling
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None
 
 
 def fuse(model: nn.Module) -> int:

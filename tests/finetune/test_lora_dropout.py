@@ -37,6 +37,9 @@ def test_the_mask_keeps_each_element_with_probability_one_minus_p_and_repeats_wi
     both_rows = (dropped[1:] * dropped[:-1]).mean() / dropped.mean() ** 2
     both_cols = (dropped[:, 1:] * dropped[:, :-1]).mean() / dropped.mean() ** 2
     assert both_rows.item() == pytest.approx(1, abs=0.05) and both_cols.item() == pytest.approx(1, abs=0.05)
+    half = lora_dropout.BLOCK_K // 2  # partners: the two halves of one hash
+    partners = (dropped[:, half:] * dropped[:, :-half]).mean() / dropped.mean() ** 2
+    assert partners.item() == pytest.approx(1, abs=0.05)
     assert torch.equal(mask, keep_mask(2048, 1280, 0.05, 11, "cuda"))
     other = keep_mask(2048, 1280, 0.05, 12, "cuda")
     assert ((~mask) & (~other)).float().mean().item() == pytest.approx(0.05**2, abs=0.0005)
@@ -61,7 +64,7 @@ def test_the_product_and_its_gradients_equal_pytorchs_on_the_same_mask(shape, ra
 
     keep = keep_mask(x[..., 0].numel(), shape[-1], p, 1234, "cuda").view(shape)
     x32, a32 = x.detach().float().requires_grad_(True), a.detach().float().requires_grad_(True)
-    want = (x32 * keep / (1 - p)) @ a32.t()
+    want = (x32 * keep * lora_dropout.threshold(p)[1]) @ a32.t()
     want.backward(grad.float())
 
     def close(got, ref):
@@ -75,7 +78,7 @@ def test_the_product_and_its_gradients_equal_pytorchs_on_the_same_mask(shape, ra
 def test_a_lora_layer_in_training_uses_the_kernels_and_repeats_under_manual_seed():
     from peft import LoraConfig, get_peft_model
 
-    from finetune.lora_layer import fuse
+    from finetune.lora_layer import LoraLinear, fuse
 
     def step(seed: int):
         torch.manual_seed(0)
@@ -92,12 +95,45 @@ def test_a_lora_layer_in_training_uses_the_kernels_and_repeats_under_manual_seed
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     calls = []
-    original = lora_dropout.DroppedDown.forward
-    lora_dropout.DroppedDown.forward = staticmethod(lambda *a: calls.append(1) or original(*a))
+    original = LoraLinear.forward
+    LoraLinear.forward = staticmethod(lambda *a: calls.append(1) or original(*a))
     try:
         first, again, other = step(1), step(1), step(2)
     finally:
-        lora_dropout.DroppedDown.forward = staticmethod(original)
+        LoraLinear.forward = staticmethod(original)
     assert len(calls) == 6  # two LoRA layers, three steps
     assert all(torch.equal(first[n], again[n]) for n in first)
     assert any(not torch.equal(first[n], other[n]) for n in first if "lora_A" in n)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_the_fused_lora_layer_equals_its_parts_on_the_same_mask(dtype, tol):
+    """LoraLinear (base product, dropped down projection, B product; the input's two gradients added
+    by one product) against the same arithmetic written out in fp32 with the kernels' mask."""
+    from finetune.lora_layer import LoraLinear
+
+    torch.manual_seed(0)
+    rows, n_in, n_out, rank, p, scaling = 300, 1280, 640, 8, 0.05, 2.0
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda") * scale).to(dtype).requires_grad_(True)
+
+    x, w, bias = leaf(3, rows // 3, n_in), leaf(n_out, n_in, scale=n_in**-0.5), leaf(n_out)
+    a, b = leaf(rank, n_in, scale=n_in**-0.5), leaf(n_out, rank)
+    grad = torch.randn(3, rows // 3, n_out, device="cuda").to(dtype)
+    out = LoraLinear.apply(x, w, bias, a, b, scaling, p, 77)
+    out.backward(grad)
+
+    keep = keep_mask(rows, n_in, p, 77, "cuda").view(x.shape)
+    ref = [t.detach().float().requires_grad_(True) for t in (x, w, bias, a, b)]
+    x32, w32, bias32, a32, b32 = ref
+    dropped = x32 * keep * lora_dropout.threshold(p)[1]
+    want = x32 @ w32.t() + bias32 + scaling * (dropped @ a32.t()) @ b32.t()
+    want.backward(grad.float())
+
+    def close(got, ref):
+        return (got.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+    assert out.dtype == dtype and close(out, want)
+    for got, ref_leaf in zip((x, w, bias, a, b), ref):
+        assert close(got.grad, ref_leaf.grad)
