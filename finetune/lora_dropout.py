@@ -5,7 +5,7 @@ memory traffic: PyTorch writes the dropped copy of ``x`` and its mask, reads the
 product, and the backward pass needs them again (finetune/lora_layer.py recomputes them instead of
 keeping them). For a 400M model in bf16 those passes made a LoRA run with dropout 0.05 run at 0.87x
 full fine-tuning's samples/s, against 1.02x without dropout; with these kernels (and
-finetune/lora_layer.LoraLinear) 1.09-1.14x (docs/benchmarks.md).
+finetune/lora_layer.LoraLinear) 1.08-1.14x (docs/benchmarks.md).
 
 Here the mask is never stored: each kernel reads ``x`` once and draws every element's keep/drop
 decision from a keyed integer hash, so the three kernels agree on the mask without sharing memory.

@@ -74,12 +74,13 @@ class FusedLinear(Linear):
         base = self.base_layer
         lora_a, lora_b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
         x = self._cast_input_dtype(x, lora_a.weight.dtype)
-        if isinstance(dropout, nn.Dropout) and dropout.p > 0 and self.training and recompute(x):
+        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0 if isinstance(dropout, nn.Identity) else None
+        if p is not None and self.training and recompute(x) and _whole_layer(base, lora_a, lora_b, x, p):
+            args = (base.weight, base.bias, lora_a.weight, lora_b.weight, self.scaling[name], p)
+            return LoraLinear.apply(x, *args, lora_dropout.new_seed() if p > 0 else 0)
+        if isinstance(dropout, nn.Dropout) and p > 0 and self.training and recompute(x):
             if lora_a.bias is None and lora_dropout.available(x, lora_a.weight):
-                if type(base) is nn.Linear and lora_b.bias is None and base.weight.dtype == x.dtype:
-                    args = (base.weight, base.bias, lora_a.weight, lora_b.weight, self.scaling[name], dropout.p)
-                    return LoraLinear.apply(x, *args, lora_dropout.new_seed())
-                h = lora_dropout.dropped_down(x, lora_a.weight, dropout.p)  # the mask drawn in the kernels
+                h = lora_dropout.dropped_down(x, lora_a.weight, p)  # the mask drawn in the kernels
             else:
                 h = checkpoint(_down, x, dropout, lora_a, use_reentrant=False)  # the mask is recomputed, not kept
         else:
@@ -90,9 +91,24 @@ class FusedLinear(Linear):
         return out.view(result.shape)
 
 
+def _whole_layer(base: nn.Module, lora_a: nn.Module, lora_b: nn.Module, x: torch.Tensor, p: float) -> bool:
+    """Whether ``LoraLinear`` computes this layer: a plain Linear base and bias-free LoRA weights of
+    x's dtype on a GPU (no autocast), and the dropout kernels where there is a dropout."""
+    return (
+        type(base) is nn.Linear
+        and lora_a.bias is None
+        and lora_b.bias is None
+        and x.is_cuda
+        and base.weight.dtype == lora_a.weight.dtype == x.dtype
+        and not torch.is_autocast_enabled("cuda")
+        and (p == 0 or lora_dropout.available(x, lora_a.weight))
+    )
+
+
 class LoraLinear(torch.autograd.Function):
     """``x @ W^T + bias + scaling * (dropout(x) @ A^T) @ B^T`` on a GPU, the dropout drawn in
-    finetune/lora_dropout.py's kernels, with each output-sized and input-sized tensor written once:
+    finetune/lora_dropout.py's kernels (p = 0: plain products, no kernels, and ``seed`` unused),
+    with each output-sized and input-sized tensor written once:
     the B product is added into the base's output in place, and in the backward pass the base's
     input gradient is added onto the LoRA path's by the same matrix product (cuBLAS's beta = 1),
     where autograd would write both and then a third tensor with their sum. Only ``x`` (which the
@@ -101,7 +117,7 @@ class LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, p: float, seed: int):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        h = lora_dropout.down(x2, lora_a.contiguous(), p, seed)
+        h = lora_dropout.down(x2, lora_a.contiguous(), p, seed) if p > 0 else x2 @ lora_a.t()
         out = torch.nn.functional.linear(x2, weight, bias)
         out.addmm_(h, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(x2, weight, lora_a, lora_b, h)
@@ -115,14 +131,20 @@ class LoraLinear(torch.autograd.Function):
         gh = torch.mm(g, lora_b) * ctx.scaling  # the gradient of h: (rows, rank)
         grad_x = grad_w = grad_bias = grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = lora_dropout.down_grad_input(gh, lora_a.contiguous(), ctx.p, ctx.seed)
+            if ctx.p > 0:
+                grad_x = lora_dropout.down_grad_input(gh, lora_a.contiguous(), ctx.p, ctx.seed)
+            else:
+                grad_x = gh @ lora_a
             grad_x = grad_x.addmm_(g, weight).view(ctx.shape)  # + the base's, in the same product
         if ctx.needs_input_grad[1]:  # a trainable base (not LoRA's usual frozen one)
             grad_w = g.t() @ x2
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.sum(0)
         if ctx.needs_input_grad[3]:
-            grad_a = lora_dropout.down_grad_weight(x2, gh, lora_a, ctx.p, ctx.seed)
+            if ctx.p > 0:
+                grad_a = lora_dropout.down_grad_weight(x2, gh, lora_a, ctx.p, ctx.seed)
+            else:
+                grad_a = gh.t() @ x2
         if ctx.needs_input_grad[4]:
             grad_b = (g.t() @ h) * ctx.scaling
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None

@@ -106,14 +106,17 @@ def test_a_lora_layer_in_training_uses_the_kernels_and_repeats_under_manual_seed
     assert any(not torch.equal(first[n], other[n]) for n in first if "lora_A" in n)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_the_fused_lora_layer_equals_its_parts_on_the_same_mask(dtype, tol):
+@pytest.mark.parametrize(
+    "dtype, tol, p", [(torch.float32, 1e-4, 0.05), (torch.bfloat16, 3e-2, 0.05), (torch.bfloat16, 3e-2, 0.0)]
+)
+def test_the_fused_lora_layer_equals_its_parts_on_the_same_mask(dtype, tol, p):
     """LoraLinear (base product, dropped down projection, B product; the input's two gradients added
-    by one product) against the same arithmetic written out in fp32 with the kernels' mask."""
+    by one product) against the same arithmetic written out in fp32 with the kernels' mask (p = 0:
+    no kernels, no mask)."""
     from finetune.lora_layer import LoraLinear
 
     torch.manual_seed(0)
-    rows, n_in, n_out, rank, p, scaling = 300, 1280, 640, 8, 0.05, 2.0
+    rows, n_in, n_out, rank, scaling = 300, 1280, 640, 8, 2.0
 
     def leaf(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda") * scale).to(dtype).requires_grad_(True)
@@ -124,7 +127,7 @@ def test_the_fused_lora_layer_equals_its_parts_on_the_same_mask(dtype, tol):
     out = LoraLinear.apply(x, w, bias, a, b, scaling, p, 77)
     out.backward(grad)
 
-    keep = keep_mask(rows, n_in, p, 77, "cuda").view(x.shape)
+    keep = keep_mask(rows, n_in, p, 77, "cuda").view(x.shape) if p else torch.ones_like(x, dtype=torch.bool)
     ref = [t.detach().float().requires_grad_(True) for t in (x, w, bias, a, b)]
     x32, w32, bias32, a32, b32 = ref
     dropped = x32 * keep * lora_dropout.threshold(p)[1]
@@ -137,3 +140,24 @@ def test_the_fused_lora_layer_equals_its_parts_on_the_same_mask(dtype, tol):
     assert out.dtype == dtype and close(out, want)
     for got, ref_leaf in zip((x, w, bias, a, b), ref):
         assert close(got.grad, ref_leaf.grad)
+
+
+def test_a_lora_layer_without_dropout_also_trains_as_one_function_and_draws_no_seed():
+    from peft import LoraConfig, get_peft_model
+
+    from finetune.lora_layer import LoraLinear, fuse
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["0"]))
+    fuse(model)
+    model.cuda().train()
+    calls = []
+    original = LoraLinear.forward
+    LoraLinear.forward = staticmethod(lambda *a: calls.append(a[-1]) or original(*a))
+    try:
+        state = torch.get_rng_state()
+        model(torch.randn(4, 64, device="cuda")).sum().backward()
+    finally:
+        LoraLinear.forward = staticmethod(original)
+    assert calls == [0] and torch.equal(torch.get_rng_state(), state)
