@@ -70,7 +70,7 @@ class ServedLoraLinear(Linear):
             return _PEFT
         base = self.get_base_layer()
         # An int8 layer is torch.ao's module in an nn.Linear shell: call the module itself through
-        # int8_call (the shell's forward does nothing else; row by row inside rows_apart).
+        # int8_call (the shell's forward does nothing else; each row on its own scale inside rows_apart).
         base = functools.partial(int8_call, base.quantized) if isinstance(base, Int8Linear) else base
         active = [name for name in self.active_adapters if name in self.lora_A]
         if self.disable_adapters or not active:

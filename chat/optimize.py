@@ -35,8 +35,9 @@ Full table and caveats: docs/cpu-inference-notes.md)
     present and working in torch 2.13 (its warnings are silenced here). Activations are quantized
     with one scale per call over the whole batch, so a row's result depends on the other rows:
     batching different requests together in one call would change their replies: chat/batching.py
-    serves int8 requests alone, and chat.stepping's decoder steps quantize each row apart
-    (``rows_apart``). The quantized modules are read-only at inference: concurrent calls from several
+    serves int8 requests alone, and chat.stepping's decoder steps quantize each row with the scale
+    it gets alone, all rows in one kernel call (``rows_apart``, ``int8_call``). The quantized
+    modules are read-only at inference: concurrent calls from several
     threads are safe, if slow (see below).
 
 ``num_threads`` sets ``torch.set_num_threads`` (process-wide) when given. torch's default (one
@@ -59,6 +60,7 @@ from __future__ import annotations
 import contextvars
 import gc
 import os
+import struct
 import warnings
 from contextlib import contextmanager
 
@@ -153,10 +155,9 @@ _ROWS_APART = contextvars.ContextVar("int8_rows_apart", default=False)
 @contextmanager
 def rows_apart():
     """Int8 layers called inside quantize every row (first dimension) of their input with its own
-    scale: one call of torch's dynamic int8 kernel per row, each exactly the call that row makes
-    when served alone. (One call for the whole batch would scale all rows by the largest
-    activation of any: a reply would depend on the requests beside it.) The weights are then read
-    once per row, but everything else of a decoder step is shared by the batch."""
+    scale and zero point, exactly those the row gets when served alone. (One plain call for the
+    whole batch would scale all rows by the largest activation of any: a reply would depend on the
+    requests beside it.) ``int8_call`` says how, in one call of the int8 kernel for all rows."""
     token = _ROWS_APART.set(True)
     try:
         yield
@@ -164,11 +165,74 @@ def rows_apart():
         _ROWS_APART.reset(token)
 
 
+# torch's dynamic int8 linear (fbgemm, reduce_range=True) quantizes its input to 0..QMAX with one
+# (scale, zero point) from the input's min and max, as aten's ChooseQuantizationParams chooses them.
+QMAX = 127
+SMALL_SCALE = 1e-4  # below this aten changes the min/max it chose (its 6.1e-5 cut-off): rows go one by one
+
+
+def row_qparams(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's (scale, zero point) as ``torch.ops.quantized.linear_dynamic`` would choose them for
+    that row alone, as float32 columns; None where a row needs aten's small-scale special case.
+    (Python floats are IEEE doubles like aten's: a loop over a step's few rows costs microseconds,
+    where the same arithmetic as tensor operations cost tens.)"""
+    low, high = x2.amin(1), x2.amax(1)  # (torch.aminmax is several times slower on a few rows here)
+    scales, zeros = [], []
+    for lo, hi in zip(low.tolist(), high.tolist()):
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        scale = struct.unpack("f", struct.pack("f", (hi - lo) / QMAX))[0]  # aten keeps the float32 value
+        if scale < SMALL_SCALE:
+            return None
+        from_min, from_max = -lo / scale, QMAX - hi / scale
+        zero = from_min if -abs(lo / scale) < QMAX - abs(hi / scale) else from_max
+        scales.append(scale)
+        zeros.append(float(round(min(max(zero, 0.0), QMAX))))  # Python's round: half to even
+    return torch.tensor(scales)[:, None], torch.tensor(zeros)[:, None]
+
+
+def _row_terms(quantized: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weight's per-output-channel sums times its scales (what a row's zero point subtracts)
+    and the bias, computed once per layer; None for weights with zero points (not handled)."""
+    terms = quantized.__dict__.get("_row_terms")
+    if terms is None:
+        weight = quantized.weight()
+        if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            scales, zeros = weight.q_per_channel_scales().float(), weight.q_per_channel_zero_points()
+        else:
+            scales, zeros = torch.tensor(weight.q_scale()), torch.tensor(weight.q_zero_point())
+        ok = not bool(zeros.any())
+        terms = (weight.int_repr().float().sum(1) * scales, quantized.bias()) if ok else False
+        quantized.__dict__["_row_terms"] = terms
+    return terms or None
+
+
 def int8_call(quantized: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``quantized(x)`` (torch.ao's dynamic int8 linear), row by row inside ``rows_apart``."""
-    if x.shape[0] > 1 and _ROWS_APART.get():
+    """``quantized(x)`` (torch.ao's dynamic int8 linear); inside ``rows_apart``, each row quantized
+    on its own, still in one call of the kernel.
+
+    Each row goes onto the integer grid it would be quantized to alone (``row_qparams``), one more
+    row holding 0 and QMAX makes the kernel's own choice for the batch exactly scale 1, zero point
+    0 (so it quantizes the grid to itself), and each row's output is scaled back and its zero
+    point's share (weight sums x zero point) taken off. The integers multiplied are those of the
+    row alone; the float rescaling differs from the kernel's only in rounding (about 1e-6 of the
+    output's size: chat/tests). Rows whose scale needs aten's small-scale case go one call each."""
+    if x.shape[0] == 1 or not _ROWS_APART.get():
+        return quantized(x)
+    terms = _row_terms(quantized)
+    x2 = x.reshape(x.shape[0], -1)
+    qparams = row_qparams(x2) if terms is not None else None
+    if qparams is None:
         return torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])
-    return quantized(x)
+    (scale, zero), (sums, bias) = qparams, terms
+    grid = torch.round(x2 * (1.0 / scale) + zero).clamp_(0, QMAX).reshape(x.shape)
+    pin = grid.new_zeros((1, *x.shape[1:]))
+    pin.view(-1)[0] = QMAX
+    out = quantized(torch.cat([grid, pin]))[:-1]
+    if bias is not None:
+        out = out - bias
+    view = (x.shape[0],) + (1,) * (out.dim() - 1)
+    out = scale.view(view) * (out - zero.view(view) * sums)
+    return out + bias if bias is not None else out
 
 
 def _quantize_int8(model: nn.Module) -> None:
