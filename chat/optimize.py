@@ -60,10 +60,10 @@ from __future__ import annotations
 import contextvars
 import gc
 import os
-import struct
 import warnings
 from contextlib import contextmanager
 
+import numpy
 import torch
 from torch import nn
 
@@ -171,23 +171,26 @@ QMAX = 127
 SMALL_SCALE = 1e-4  # below this aten changes the min/max it chose (its 6.1e-5 cut-off): rows go one by one
 
 
-def row_qparams(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def row_qparams(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Each row's (scale, zero point) as ``torch.ops.quantized.linear_dynamic`` would choose them for
-    that row alone, as float32 columns; None where a row needs aten's small-scale special case.
-    (Python floats are IEEE doubles like aten's: a loop over a step's few rows costs microseconds,
-    where the same arithmetic as tensor operations cost tens.)"""
+    that row alone, and the float32 reciprocal of the scale that its quantizing multiplies by, as
+    float32 columns; None where a row needs aten's small-scale special case. (Python floats are
+    IEEE doubles like aten's: a loop over a step's few rows costs microseconds, where the same
+    arithmetic as tensor operations cost tens.)"""
     low, high = x2.amin(1), x2.amax(1)  # (torch.aminmax is several times slower on a few rows here)
-    scales, zeros = [], []
+    columns: list[list[float]] = [[], [], []]
     for lo, hi in zip(low.tolist(), high.tolist()):
         lo, hi = min(lo, 0.0), max(hi, 0.0)
-        scale = struct.unpack("f", struct.pack("f", (hi - lo) / QMAX))[0]  # aten keeps the float32 value
+        scale = numpy.float32((hi - lo) / QMAX)  # aten keeps the float32 value
         if scale < SMALL_SCALE:
             return None
-        from_min, from_max = -lo / scale, QMAX - hi / scale
-        zero = from_min if -abs(lo / scale) < QMAX - abs(hi / scale) else from_max
-        scales.append(scale)
-        zeros.append(float(round(min(max(zero, 0.0), QMAX))))  # Python's round: half to even
-    return torch.tensor(scales)[:, None], torch.tensor(zeros)[:, None]
+        from_min, from_max = -lo / float(scale), QMAX - hi / float(scale)
+        zero = from_min if -abs(lo / float(scale)) < QMAX - abs(hi / float(scale)) else from_max
+        columns[0].append(scale)
+        columns[1].append(round(min(max(zero, 0.0), QMAX)))  # Python's round: half to even
+        columns[2].append(numpy.float32(1.0) / scale)  # a float32 division, as fbgemm's
+    scale, zero, inverse = torch.tensor(numpy.array(columns, dtype=numpy.float32))[:, :, None]
+    return scale, zero, inverse
 
 
 def _row_terms(quantized: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -201,7 +204,9 @@ def _row_terms(quantized: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
         else:
             scales, zeros = torch.tensor(weight.q_scale()), torch.tensor(weight.q_zero_point())
         ok = not bool(zeros.any())
-        terms = (weight.int_repr().float().sum(1) * scales, quantized.bias()) if ok else False
+        bias = quantized.bias()
+        bias = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
+        terms = (weight.int_repr().float().sum(1) * scales, bias) if ok else False
         quantized.__dict__["_row_terms"] = terms
     return terms or None
 
@@ -223,16 +228,16 @@ def int8_call(quantized: nn.Module, x: torch.Tensor) -> torch.Tensor:
     qparams = row_qparams(x2) if terms is not None else None
     if qparams is None:
         return torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])
-    (scale, zero), (sums, bias) = qparams, terms
-    grid = torch.round(x2 * (1.0 / scale) + zero).clamp_(0, QMAX).reshape(x.shape)
+    (scale, zero, inverse), (sums, bias) = qparams, terms
+    grid = (x2 * inverse).add_(zero).round_().clamp_(0, QMAX).reshape(x.shape)
     pin = grid.new_zeros((1, *x.shape[1:]))
     pin.view(-1)[0] = QMAX
     out = quantized(torch.cat([grid, pin]))[:-1]
-    if bias is not None:
-        out = out - bias
+    # out = bias + weight sums . grid; the row alone: bias + scale * weight sums . (grid - zero)
     view = (x.shape[0],) + (1,) * (out.dim() - 1)
-    out = scale.view(view) * (out - zero.view(view) * sums)
-    return out + bias if bias is not None else out
+    scale, zero = scale.view(view), zero.view(view)
+    offset = torch.addcmul(bias, scale, torch.addcmul(bias, zero, sums), value=-1)  # bias - s (bias + z sums)
+    return torch.addcmul(offset, scale, out)
 
 
 def _quantize_int8(model: nn.Module) -> None:

@@ -34,11 +34,12 @@ def rows(n: int, width: int, seed: int) -> torch.Tensor:
 def test_each_rows_qparams_are_those_torch_chooses_for_it_alone():
     for seed in range(200):
         x = rows(8, 96, seed)
-        scales, zeros = optimize.row_qparams(x)
+        scales, zeros, inverses = optimize.row_qparams(x)
         for i in range(8):
             scale, zero = torch._choose_qparams_per_tensor(x[i], True)  # reduce_range, as the kernel
             assert scales[i, 0].item() == torch.tensor(scale, dtype=torch.float32).item()
             assert zeros[i, 0].item() == zero
+            assert inverses[i, 0].item() == (1.0 / torch.tensor(scale, dtype=torch.float32)).item()
 
 
 @pytest.mark.parametrize("bias", [True, False])
