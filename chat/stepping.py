@@ -19,9 +19,12 @@ one. Here one worker thread runs its own decoding loop over the model's parts:
 
 Greedy replies are those of ``generate()`` alone (tests/chat/test_stepping.py: token for token on
 the demo model in fp32, joining mid-flight included). Beam search (``faithful``) and anything else
-this loop does not do go to the static batcher, as does everything on a GPU for now (its CUDA-graph
-decoding, ``chat.graphs``, records ``generate()``'s step, not this one). Rows of different LoRA
-adapters of one base share a step (``chat.lora.rows_of``): each row gets its own low-rank update.
+this loop does not do go to the static batcher. Rows of different LoRA adapters of one base share a
+step (``chat.lora.rows_of``): each row gets its own low-rank update.
+
+On a GPU the rows live in fixed-address slots and each step is replayed from a CUDA graph
+(``chat.stepgraphs.SlotBatch``, same ``join``/``step``); there adapters' requests go to the static
+batcher, whose recorded steps (``chat.graphs``) serve them faster than eager mixed steps.
 
 Private transformers helpers used (pinned by these tests): ``_prepare_generation_config``,
 ``_prepare_special_tokens``, ``_prepare_generated_length``, ``_get_logits_processor``,
@@ -34,13 +37,26 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 
 import torch
-from transformers import EncoderDecoderCache, StoppingCriteriaList
+from transformers import (
+    EncoderDecoderCache,
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from chat import stepgraphs
 from chat.batching import Batcher, Request
-from chat.fastgen import fast_kwargs
+from chat.fastgen import NoRepeatNGram, fast_kwargs
 from chat.optimize import rows_apart
 
 log = logging.getLogger(__name__)
@@ -51,6 +67,9 @@ SCHEDULERS = ("step", "static")
 # 3.81 replies/s and first text after 2.53 s, 16 rows 4.38 and 0.83 s, 32 rows 4.75 and 0.76 s; the
 # app's 16 at once, app.CONCURRENCY, fill 16; docs/chat-benchmarks.md).
 CPU_MAX_BATCH = 16
+# Rows per step on a GPU at most (a 400M step costs about the same for 256 rows as for 1; the slots'
+# memory budget, chat.stepgraphs.GPU_BUDGET_BYTES, may allow fewer).
+GPU_MAX_BATCH = 256
 
 
 def scheduler(value: str | None = None) -> str:
@@ -97,25 +116,8 @@ class _Row:
 
     def __init__(self, request: Request, model, start_id: int):
         self.request = request
-        kwargs = fast_kwargs(dict(request.kwargs), request.encoded["input_ids"])
-        seed = kwargs.pop("generator_seed", None)
-        custom = kwargs.pop("logits_processor", None)
-        kwargs.pop("num_beams", None)
-        config, _ = model._prepare_generation_config(None, **kwargs)
-        config.num_beams = 1
-        model._prepare_special_tokens(config, True, device="cpu", batch_size=1)
-        source = request.encoded["input_ids"]
-        config = model._prepare_generated_length(config, True, True, "input_ids", 1, source)
-        self.processors = model._get_logits_processor(
-            generation_config=config,
-            input_ids_seq_length=1,
-            encoder_input_ids=source,
-            logits_processor=custom,
-            device="cpu",
-            model_kwargs={},
-        )
-        self.stop = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList())
-        self.sample = bool(config.do_sample)
+        seed = request.kwargs.get("generator_seed")
+        self.processors, self.stop, self.sample = _settings(model, request)
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator().manual_seed(int(seed))
@@ -137,6 +139,59 @@ class _Row:
         if self.request.streamer is not None:
             self.request.streamer.put(token[0].clone())
         return bool(self.stop(self.ids, scores).all())
+
+
+# Processors and criteria that keep no state between calls: one list serves every row of the same
+# settings (building them takes transformers ~1 ms a request, in the worker every row waits on).
+_SHARED = (
+    RepetitionPenaltyLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    NoRepeatNGram,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MaxLengthCriteria,
+    EosTokenCriteria,
+)
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: built}
+
+
+def _settings(model, request: Request) -> tuple:
+    """A request's logits processors, stopping criteria and whether it samples, as transformers'
+    generate() builds them from its kwargs; reused for later requests of the same settings."""
+    key = tuple(sorted((k, v) for k, v in request.kwargs.items() if k != "generator_seed"))
+    try:
+        known = _BUILT.setdefault(model, {})
+        if key in known:
+            return known[key]
+    except TypeError:  # an unhashable value (a custom processor list): built for this row alone
+        known = None
+    kwargs = fast_kwargs(dict(request.kwargs), request.encoded["input_ids"])
+    kwargs.pop("generator_seed", None)
+    custom = kwargs.pop("logits_processor", None)
+    kwargs.pop("num_beams", None)
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    config.num_beams = 1
+    model._prepare_special_tokens(config, True, device="cpu", batch_size=1)
+    source = request.encoded["input_ids"]
+    config = model._prepare_generated_length(config, True, True, "input_ids", 1, source)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=1,
+        encoder_input_ids=source,
+        logits_processor=custom,
+        device="cpu",
+        model_kwargs={},
+    )
+    stop = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList())
+    built = (processors, stop, bool(config.do_sample))
+    if known is not None and all(type(x) in _SHARED for x in [*processors, *stop]):
+        if len(known) >= 64:
+            known.clear()
+        known[key] = built
+    return built
 
 
 class _Batch:
@@ -209,6 +264,13 @@ class _Batch:
             sa.values = [v[:, :, width - keep :] for v in sa.values]
         return done
 
+    def serving(self):
+        return _serving([row.request.loaded for row in self.rows])
+
+    def drop(self) -> None:
+        """Forget every row (after a failed step)."""
+        self.rows = []
+
     def _leave(self, kept: list[int]) -> None:
         self.rows = [self.rows[i] for i in kept]
         index = torch.tensor(kept, dtype=torch.long, device=self.cross[0].keys.device)
@@ -237,10 +299,11 @@ class StepBatcher:
     does not decode (beam search, a GPU's) go to the static ``Batcher``. Same ``submit`` as
     ``Batcher``."""
 
-    def __init__(self, max_batch: int = CPU_MAX_BATCH, fallback: Batcher | None = None):
-        if max_batch < 1:
+    def __init__(self, max_batch: int | None = None, fallback: Batcher | None = None):
+        if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.max_batch = max_batch
+        self.max_batch = max_batch or CPU_MAX_BATCH
+        self.gpu_max_batch = max_batch or GPU_MAX_BATCH  # slots: further bounded by their memory budget
         self.fallback = fallback or Batcher()
         self.steps = 0  # decoder steps run (tests and benchmarks read it)
         self.widest = 0  # the most rows one step has run
@@ -253,22 +316,32 @@ class StepBatcher:
     )
     window_s = property(lambda self: self.fallback.window_s, lambda self, v: setattr(self.fallback, "window_s", v))
 
-    # Where the step loop decodes. Not on a GPU by default: there the static batcher replays
-    # CUDA-graph steps (chat.graphs), which this loop does not record yet (bench.chat_load
-    # --step_on_gpu measures it anyway).
-    devices = ("cpu",)
+    # Where the step loop decodes. On a GPU it runs in slots with CUDA-graph steps (chat.stepgraphs).
+    devices = ("cpu", "cuda")
+    # Slots (chat.stepgraphs) or growing caches (``_Batch``): None = slots on a GPU only.
+    slots: bool | None = None
 
     def takes(self, loaded, kwargs: dict) -> bool:
-        """Does the step loop decode this request? Greedy or sampling on a CPU model (int8 layers
-        quantize each row apart in a step: ``chat.optimize.rows_apart``)."""
+        """Does the step loop decode this request? Greedy or sampling (int8 layers quantize each
+        row apart in a step: ``chat.optimize.rows_apart``); on a GPU, of a base model, within the
+        decoder's positions."""
         model = loaded.model
-        return (
+        ok = (
             int(kwargs.get("num_beams") or 1) == 1
             and int(kwargs.get("num_return_sequences") or 1) == 1
             and model.device.type in self.devices
             and hasattr(model, "get_decoder")
             and model.config.is_encoder_decoder
         )
+        if ok and self._slots_for(model):  # a slot holds the decoder's positions, no more
+            longest = kwargs.get("max_new_tokens") or model.generation_config.max_length
+            ok = int(longest) + 1 <= model.config.max_position_embeddings
+        # On a GPU an adapter's rows would step eagerly (chat.stepgraphs records the base's steps
+        # only): the static batcher's recorded steps serve them faster (docs/chat-benchmarks.md).
+        return ok and not (model.device.type == "cuda" and loaded.adapter is not None)
+
+    def _slots_for(self, model) -> bool:
+        return model.device.type == "cuda" if self.slots is None else self.slots
 
     def submit(self, loaded, encoded: dict, kwargs: dict, streamer=None) -> Future:
         if not self.takes(loaded, kwargs):
@@ -285,7 +358,12 @@ class StepBatcher:
 
     def _run(self, first: Request, held: list[Request]) -> None:
         """Decode ``first`` and every request of its model that arrives meanwhile, until none is left."""
-        batch = _Batch(first.loaded.model)
+        model = first.loaded.model
+        if self._slots_for(model):
+            with torch.inference_mode():
+                batch = stepgraphs.for_model(model, self.gpu_max_batch, graphs=self.cuda_graphs != "off")
+        else:
+            batch = _Batch(model)
         self._admit(batch, [first], held)
         while batch.rows:
             while True:
@@ -301,27 +379,34 @@ class StepBatcher:
                 self._admit(batch, joining, held)
             self._step(batch)
 
-    def _admit(self, batch: _Batch, requests: list[Request], held: list[Request]) -> None:
-        for request in requests:
-            if len(batch.rows) >= self.max_batch:
-                held.append(request)
-                continue
+    def _admit(self, batch, requests: list[Request], held: list[Request]) -> None:
+        room = (self.max_batch if isinstance(batch, _Batch) else batch.capacity) - len(batch.rows)
+        held += requests[max(room, 0) :]
+        joining = requests[: max(room, 0)]
+        if isinstance(batch, _Batch):  # one at a time: each encoded alone
+            for request in joining:
+                try:
+                    with torch.inference_mode():
+                        batch.join(request)
+                except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                    _fail(request, err)
+        elif joining:  # slots: encoded together
             try:
                 with torch.inference_mode():
-                    batch.join(request)
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                _fail(request, err)
+                    batch.join_all(joining)
+            except BaseException as err:  # noqa: BLE001
+                for request in joining:
+                    _fail(request, err)
 
     def _step(self, batch: _Batch) -> None:
         rows = batch.rows
-        loadeds = [row.request.loaded for row in rows]
         try:
-            with _serving(loadeds), rows_apart(), torch.inference_mode():
+            with batch.serving(), rows_apart(), torch.inference_mode():
                 done = batch.step()
         except BaseException as err:  # noqa: BLE001 - every row in the step learns about it
             for row in rows:
                 _fail(row.request, err)
-            batch.rows = []
+            batch.drop()
             return
         self.steps += 1
         self.widest = max(self.widest, len(rows))

@@ -209,3 +209,18 @@ def test_a_failing_row_fails_its_request_and_the_batch_goes_on(demo):
     with pytest.raises(ValueError):
         bad.result(60)
     assert stepper.submit(demo, encoded, kwargs).result(60)[0].tolist()
+
+
+def test_rows_of_the_same_settings_share_their_stateless_processors(demo):
+    """Building a row's processors is transformers' generate() set-up (~1 ms); rows of the same
+    settings reuse one list when every processor keeps no state, and only then."""
+    from chat.batching import Request
+    from chat.stepping import _Row
+
+    engine = ChatEngine(demo, "test", batcher=Batcher())
+    first, second = (_Row(Request(demo, *inputs(engine, i)), demo.model, 1) for i in (0, 5))  # both FAST
+    assert first.processors is second.processors and first.stop is second.stop
+    encoder_rule = [_Row(Request(demo, *inputs(engine, 4)), demo.model, 1) for _ in range(2)]  # its source's n-grams
+    assert encoder_rule[0].processors is not encoder_rule[1].processors
+    sampled = [_Row(Request(demo, *inputs(engine, 3)), demo.model, 1) for _ in range(2)]  # seeded sampling
+    assert sampled[0].processors is sampled[1].processors and sampled[0].generator is not sampled[1].generator

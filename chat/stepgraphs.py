@@ -1,0 +1,413 @@
+"""The step loop on a GPU: every running row in fixed-address slots, each decoder step one CUDA-graph
+replay per batch width, and the logits processing of plain greedy rows done for all rows at once.
+
+``chat.stepping._Batch`` (the CPU's) grows and trims its caches every step and runs each row's
+logits through that row's own processors: cheap on a CPU, where the model's arithmetic dominates,
+but on a GPU a 400M decoder step for 64 rows is well under a millisecond of kernels, and launching
+them (plus 64 rows of Python) took the rest (docs/chat-benchmarks.md: the eager step loop served
+half the static batcher's replies/s). Here instead:
+
+* **Slots.** Every decoder layer's self-attention keys/values live in one tensor of ``capacity``
+  rows x the decoder's positions, its cross-attention keys/values in one of ``capacity`` rows x the
+  encoder's positions. A request takes a free slot and keeps it to its end; a row's token ``t`` is
+  written at column ``t`` (index_put at each row's own position) and a mask hides the columns a row
+  does not have (older rows' leftovers in a reused slot, a shorter source's padding). Nothing moves
+  when rows join or leave, so a step's tensors always have the same addresses.
+* **Graphs.** A step over the first ``width`` slots (the highest used slot, rounded up to a power of
+  two) is recorded once per width, adapter and set of n-gram sizes, then replayed: embeddings, all
+  decoder layers, the LM head and the batched logits pass below in one launch. Widths share one
+  memory pool; its size counts against ``budget_bytes`` with the caches (past it, new shapes run
+  eagerly). Off a GPU, or with ``graphs=False``, the same step runs eagerly (the CPU tests do that).
+* **Batched logits.** Greedy rows whose processors are only those the ``fast`` preset and the API
+  give (repetition penalty, minimum length, forced EOS at the length limit, n-gram blocking) are
+  processed together (``choose_greedy``: the same operations as transformers' processors and
+  ``chat.fastgen.NoRepeatNGram``, on each row's own ids and length). Any other row (sampling with
+  its own generator, encoder n-gram blocking, custom processors) goes through its own processors
+  on its own logits, as in ``chat.stepping``.
+* Joining requests are encoded together (right-padded to the longest, masked), and their
+  cross-attention keys/values written into their slots.
+
+A row's reply is the one ``generate()`` gives it alone, up to float rounding (the CPU tests check
+greedy replies token for token on the demo model; on a GPU batched products round differently).
+Rows of different adapters share a step through peft's mixed-batch forward, eagerly (its per-adapter
+row selection is Python); rows of one adapter replay that adapter's graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import (
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from chat.batching import Request
+from chat.fastgen import NoRepeatNGram, _ban
+
+log = logging.getLogger(__name__)
+
+# Caches plus graph memory one model's step loop may hold on a GPU by default (64 fp32 rows of the
+# 400M model: 2 GiB of caches).
+GPU_BUDGET_BYTES = 16 << 30
+
+
+def plain_settings(row, eos: set[int]) -> dict | None:
+    """A greedy row's processors and stopping criteria as numbers ``choose_greedy`` applies, or None
+    when any of them is something else (then the row takes its own processors)."""
+    if row.sample:
+        return None
+    out = {"penalty": 1.0, "eos_until": 0, "forced_at": -1, "ngram": 0}
+    for p in row.processors:
+        if isinstance(p, RepetitionPenaltyLogitsProcessor) and p.prompt_ignore_length is None:
+            out["penalty"] = float(p.penalty)
+        elif isinstance(p, MinLengthLogitsProcessor | MinNewTokensLengthLogitsProcessor):
+            if set(p.eos_token_id.tolist()) != eos:
+                return None
+            if isinstance(p, MinLengthLogitsProcessor):
+                until = p.min_length
+            else:  # new tokens counted after the decoder's start token
+                until = p.prompt_length_to_skip + p.min_new_tokens
+            out["eos_until"] = max(out["eos_until"], int(until))
+        elif isinstance(p, ForcedEOSTokenLogitsProcessor) and set(torch.as_tensor(p.eos_token_id).tolist()) == eos:
+            out["forced_at"] = int(p.max_length) - 1
+        elif type(p) is NoRepeatNGram and not out["ngram"]:
+            out["ngram"] = int(p.n)
+        else:
+            return None
+    out["max_length"] = None
+    for s in row.stop:
+        if isinstance(s, MaxLengthCriteria):
+            out["max_length"] = int(s.max_length)
+        elif not (isinstance(s, EosTokenCriteria) and set(s.eos_token_id.tolist()) == eos):
+            return None
+    return out if out["max_length"] is not None else None
+
+
+def choose_greedy(logits, ids, length, penalty, eos_until, forced_at, ngram, sizes, eos_mask):
+    """Greedy next tokens for rows with plain settings, all at once.
+
+    ``logits`` (rows, vocab) float32; ``ids`` (rows, columns) each row's ids so far from column 0,
+    the rest the vocabulary size (a spare column: it never matches a real token); ``length`` each
+    row's number of ids; per row: repetition ``penalty`` (1: none), EOS banned while ``length <
+    eos_until``, only EOS allowed when ``length == forced_at``, n-gram size ``ngram`` (0: none) with
+    ``sizes`` the distinct sizes present; ``eos_mask`` (vocab,) the EOS ids. The order and arithmetic
+    are those of transformers' RepetitionPenalty, MinLength / MinNewTokensLength and ForcedEOS
+    processors and chat.fastgen.NoRepeatNGram on one row."""
+    rows, vocab = logits.shape
+    scores = F.pad(logits, (0, 1))  # the spare column the padding ids point at
+    picked = scores.gather(1, ids)
+    p = penalty[:, None]
+    scores = scores.scatter(1, ids, torch.where(picked < 0, picked * p, picked / p))[:, :vocab]
+    scores = scores.masked_fill((length < eos_until)[:, None] & eos_mask[None], -math.inf)
+    for n in sizes:
+        windows = ids.unfold(1, n, 1)  # (rows, columns - n + 1, n)
+        back = torch.arange(n - 1, device=ids.device) - (n - 1)
+        tail = ids.gather(1, (length[:, None] + back[None]).clamp(min=0))  # each row's last n-1 ids
+        starts = torch.arange(windows.shape[1], device=ids.device)
+        whole = starts[None] + n <= length[:, None]  # windows inside the row's ids
+        on = (ngram == n)[:, None] & (length >= n)[:, None]
+        matches = (windows[..., :-1] == tail[:, None]).all(-1) & whole & on
+        scores = _ban(scores, matches, windows[..., -1])
+    forced = torch.full_like(scores[:1], -math.inf).masked_fill(eos_mask[None], 0.0)
+    scores = torch.where((length == forced_at)[:, None], forced, scores)
+    return scores.argmax(-1)
+
+
+class _SlotSelfAttention:
+    """What the decoder layers' self-attention writes and reads: each row's new key/value at its
+    own position of its slot, then the slots' whole columns (a mask hides the ones a row lacks)."""
+
+    def __init__(self, keys, values, rows, positions, columns: int):
+        self.keys, self.values, self.rows, self.positions, self.columns = keys, values, rows, positions, columns
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.rows, :, self.positions] = key[:, :, 0]
+        values[self.rows, :, self.positions] = value[:, :, 0]
+        return keys[:, :, : self.columns], values[:, :, : self.columns]
+
+
+class SlotBatch:
+    """The running rows of one model, in slots; ``join``/``step`` as ``chat.stepping._Batch``."""
+
+    def __init__(self, model, capacity: int, graphs: bool = True, budget_bytes: int = GPU_BUDGET_BYTES):
+        self._model = weakref.ref(model)
+        config, decoder = model.config, model.get_decoder()
+        attn = decoder.layers[0].self_attn
+        heads, dim = attn.num_heads if hasattr(attn, "num_heads") else config.decoder_attention_heads, attn.head_dim
+        self.columns = config.max_position_embeddings  # decoder positions
+        self.sources = getattr(config, "max_source_positions", None) or config.max_position_embeddings
+        dtype, device = model.dtype, model.device
+        layers = len(decoder.layers)
+        per_row = layers * 2 * heads * dim * (self.columns + self.sources) * dtype.itemsize
+        self.capacity = max(1, min(capacity, int(budget_bytes * 3 / 4) // per_row))
+        self.budget_bytes = budget_bytes
+        c = self.capacity
+
+        def zeros(*shape, **kw):
+            return torch.zeros(*shape, device=device, **{"dtype": dtype, **kw})
+
+        self.self_keys = [zeros(c, heads, self.columns, dim) for _ in range(layers)]
+        self.self_values = [zeros(c, heads, self.columns, dim) for _ in range(layers)]
+        self.cross_keys = [zeros(c, heads, self.sources, dim) for _ in range(layers)]
+        self.cross_values = [zeros(c, heads, self.sources, dim) for _ in range(layers)]
+        low = torch.finfo(dtype).min
+        self.cross_mask = torch.full((c, 1, 1, self.sources), low, dtype=dtype, device=device)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        long = torch.long
+        self.ids = torch.full((c, self.columns), self.vocab, dtype=long, device=device)
+        self.length = torch.ones(c, dtype=long, device=device)  # ids so far (a free slot: 1, harmless)
+        self.tokens = torch.zeros(c, 1, dtype=long, device=device)  # the id each row feeds next
+        self.active = torch.zeros(c, dtype=torch.bool, device=device)
+        self.penalty = torch.ones(c, device=device)
+        self.eos_until = torch.zeros(c, dtype=long, device=device)
+        self.forced_at = torch.full((c,), -1, dtype=long, device=device)
+        self.ngram = torch.zeros(c, dtype=long, device=device)
+        self.slot_index = torch.arange(c, device=device)
+        self.column_index = torch.arange(self.columns, device=device)
+        self.choice = torch.zeros(c, dtype=long, device=device)
+        self.logits = torch.zeros(c, self.vocab, device=device)
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.eos_mask = torch.zeros(self.vocab, dtype=torch.bool, device=device)
+        self.eos_mask[list(self.eos)] = True
+        self.slots: list = [None] * c  # the row in each slot
+        self.graphs_on = graphs and device.type == "cuda"
+        self._graphs: dict = {}  # (width, sizes, adapter) -> CUDAGraph, or None where capture failed
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
+        self.graph_bytes = 0  # what the graphs' memory pool took (counted against the budget)
+        self.cache_bytes = per_row * c
+        self.replays = 0
+
+    @property
+    def model(self):
+        return self._model()
+
+    @property
+    def rows(self) -> list:
+        return [row for row in self.slots if row is not None]
+
+    def free(self) -> int:
+        return self.slots.count(None)
+
+    # -- joining -----------------------------------------------------------------------------------
+
+    def join(self, request: Request) -> None:
+        self.join_all([request])
+
+    def join_all(self, requests: list[Request]) -> None:
+        """Give each request a free slot, encode their sources together (per adapter) into the
+        slots' cross-attention keys/values, and set each slot's row up."""
+        from chat.stepping import _Row
+
+        model = self.model
+        free = [i for i, row in enumerate(self.slots) if row is None]
+        if len(requests) > len(free):
+            raise ValueError(f"{len(requests)} rows joining, {len(free)} slots free")
+        placed = list(zip(requests, free))
+        groups: dict[int, list] = {}
+        for request, slot in placed:
+            groups.setdefault(id(request.loaded), []).append((request, slot))
+        for group in groups.values():
+            self._encode(group)
+        start = model.generation_config.decoder_start_token_id
+        for request, slot in placed:
+            row = _Row(request, model, start)
+            row.slot, row.plain, row.tokens = slot, plain_settings(row, self.eos), [start]
+            s = row.plain or {"penalty": 1.0, "eos_until": 0, "forced_at": -1, "ngram": 0}
+            self.ids[slot].fill_(self.vocab)
+            self.ids[slot, 0] = start
+            self.length[slot], self.tokens[slot, 0], self.active[slot] = 1, start, True
+            self.penalty[slot], self.eos_until[slot] = s["penalty"], s["eos_until"]
+            self.forced_at[slot], self.ngram[slot] = s["forced_at"], s["ngram"]
+            self.slots[slot] = row
+
+    def _encode(self, placed: list) -> None:
+        """The requests' sources, right-padded to the longest (positions as alone) and masked,
+        through the encoder, and each decoder layer's cross-attention keys/values into their slots."""
+        model, low = self.model, torch.finfo(self.cross_mask.dtype).min
+        requests = [request for request, _ in placed]
+        slots = torch.tensor([slot for _, slot in placed], device=model.device)
+        sizes = [int(r.encoded["attention_mask"].sum()) for r in requests]
+        width = max(sizes)
+        if width > self.sources:
+            raise ValueError(f"a source of {width} tokens is over the encoder's {self.sources} positions")
+        ids = torch.full((len(requests), width), model.config.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for k, (r, n) in enumerate(zip(requests, sizes)):
+            ids[k, :n] = r.encoded["input_ids"][0, r.encoded["attention_mask"][0].bool()]
+            mask[k, :n] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
+        with requests[0].loaded.activated():  # its adapter's projections (or none)
+            hidden = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+            for i, layer in enumerate(model.get_decoder().layers):
+                attn = layer.encoder_attn
+                shape = (len(requests), width, -1, attn.head_dim)
+                self.cross_keys[i][slots, :, :width] = attn.k_proj(hidden).view(shape).transpose(1, 2)
+                self.cross_values[i][slots, :, :width] = attn.v_proj(hidden).view(shape).transpose(1, 2)
+        visible = torch.arange(self.sources, device=model.device)[None] < mask.sum(1)[:, None]
+        self.cross_mask[slots] = torch.where(visible, 0.0, low).to(self.cross_mask.dtype)[:, None, None]
+
+    # -- stepping ----------------------------------------------------------------------------------
+
+    def _forward(self, width: int, sizes: tuple[int, ...], columns: int, sources: int) -> None:
+        """One decoder step over slots [0, width), attending over the first ``columns`` positions
+        of the self-attention cache and ``sources`` of the cross-attention one (enough for every
+        running row): logits into ``self.logits``, the batched greedy choice into ``self.choice``.
+        Reads and writes only fixed-address tensors (a graph body)."""
+        from chat.stepping import _Layer, _StepCache
+
+        model = self.model
+        decoder = model.get_decoder()
+        length, tokens = self.length[:width], self.tokens[:width]
+        positions = length - 1
+        places = decoder.embed_positions(tokens.shape, 0, position_ids=positions[:, None])
+        hidden = decoder.embed_tokens(tokens) + places
+        dtype = self.cross_mask.dtype
+        low = torch.finfo(dtype).min
+        visible = self.column_index[None, :columns] < length[:, None]
+        self_mask = torch.where(visible, 0.0, low).to(dtype)[:, None, None]
+        cross = [
+            _Layer(k[:width, :, :sources], v[:width, :, :sources]) for k, v in zip(self.cross_keys, self.cross_values)
+        ]
+        keys, values = [k[:width] for k in self.self_keys], [v[:width] for v in self.self_values]
+        cache = _StepCache(_SlotSelfAttention(keys, values, self.slot_index[:width], positions, columns), cross)
+        cross_mask = self.cross_mask[:width, ..., :sources]
+        # One query per row: fused attention kernels tile over queries and waste most of their
+        # work here; PyTorch's plain math path (two batched products) reads each key once.
+        with sdpa_kernel(SDPBackend.MATH):
+            for layer in decoder.layers:
+                out = layer(hidden, self_mask, cross[0].keys, encoder_attention_mask=cross_mask, cache=cache)
+                hidden = out[0] if isinstance(out, tuple) else out
+        logits = model.lm_head(decoder.layer_norm(hidden)) + model.final_logits_bias.to(hidden.device)
+        logits = logits[:, -1].float()
+        self.logits[:width].copy_(logits)
+        chosen = choose_greedy(
+            logits,
+            self.ids[:width],
+            length,
+            self.penalty[:width],
+            self.eos_until[:width],
+            self.forced_at[:width],
+            self.ngram[:width],
+            sizes,
+            self.eos_mask,
+        )
+        self.choice[:width].copy_(chosen)
+
+    def drop(self) -> None:
+        """Forget every row (after a failed step)."""
+        self.slots = [None] * self.capacity
+        self.active.zero_()
+
+    def serving(self):
+        """The context a step runs in: the rows' adapter (or none), or each slot's own (holes: the
+        first row's; their outputs are never read)."""
+        from chat.stepping import _serving
+
+        rows = self.rows
+        return _serving([(row or rows[0]).request.loaded for row in self.slots[: self._width()]])
+
+    def _width(self) -> int:
+        used = max(i for i, row in enumerate(self.slots) if row is not None)
+        return min(self.capacity, 1 << used.bit_length())  # slots [0, width): a power of two
+
+    def step(self) -> list:
+        """One decoder step for every row; returns the rows that finished (their slots freed)."""
+        rows, width = self.rows, self._width()
+        shape = (
+            width,
+            tuple(sorted({row.plain["ngram"] for row in rows if row.plain and row.plain["ngram"]})),
+            _bucket(max(len(row.tokens) if row.plain else row.ids.shape[1] for row in rows), self.columns),
+            _bucket(max(row.source for row in rows), self.sources),
+        )
+        graph = None
+        if self.graphs_on and all(row.request.loaded.adapter is None for row in rows):
+            graph = self._graph(shape)  # adapters' rows: eager (their weights may be swapped)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+        else:
+            self._forward(*shape)
+        done = []
+        others = [row for row in rows if row.plain is None]
+        if others:  # their own processors (and generators) on their own logits
+            logits = self.logits[torch.tensor([row.slot for row in others], device=self.logits.device)].cpu()
+            done += [row for i, row in enumerate(others) if row.choose(logits[i : i + 1])]
+            picked = torch.tensor([int(row.ids[0, -1]) for row in others], device=self.choice.device)
+            self.choice[torch.tensor([row.slot for row in others], device=self.choice.device)] = picked
+        active, length = self.active[:width], self.length[:width]
+        column = length.clamp(max=self.columns - 1)[:, None]
+        ids = self.ids[:width]
+        ids.scatter_(1, column, torch.where(active, self.choice[:width], ids.gather(1, column)[:, 0])[:, None])
+        length += active
+        self.tokens[:width, 0] = self.choice[:width]
+        chosen = self.choice[:width].tolist()  # the step's one wait for the GPU
+        for row in rows:
+            if row.plain is None:
+                continue
+            token = chosen[row.slot]
+            row.tokens.append(token)
+            if row.request.streamer is not None:
+                row.request.streamer.put(torch.tensor([token]))
+            if token in self.eos or len(row.tokens) >= row.plain["max_length"]:
+                row.ids = torch.tensor([row.tokens])
+                done.append(row)
+        if done:
+            slots = [row.slot for row in done]
+            self.active[torch.tensor(slots, device=self.active.device)] = False
+            for slot in slots:
+                self.slots[slot] = None
+        return done
+
+    def _graph(self, key: tuple):
+        """The step's graph for this shape (``_forward``'s arguments), recorded on first use
+        (None: eager, when capture failed or the budget is spent)."""
+        if key in self._graphs:
+            return self._graphs[key]
+        if self.cache_bytes + self.graph_bytes >= self.budget_bytes:
+            return None
+        before = torch.cuda.memory_reserved()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            side = torch.cuda.Stream()  # warm up as torch.cuda.graphs asks (the step rewrites the
+            side.wait_stream(torch.cuda.current_stream())  # same keys/values: it can run twice)
+            with torch.cuda.stream(side):
+                self._forward(*key)
+            torch.cuda.current_stream().wait_stream(side)
+            # thread_local: a model loading in another thread meanwhile must not void it.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._forward(*key)
+        except Exception as err:  # some model code cannot be captured: this shape runs eagerly
+            log.warning("CUDA-graph capture of a %d-row step failed (%s: %s)", key[0], type(err).__name__, err)
+            graph = None
+        self.graph_bytes += max(0, torch.cuda.memory_reserved() - before)
+        self._graphs[key] = graph
+        return graph
+
+
+def _bucket(needed: int, most: int) -> int:
+    """Columns a step attends over: ``needed`` rounded up to a multiple of 32, at most ``most`` (so
+    the graphs of a few shapes serve every length)."""
+    return min(most, -(-needed // 32) * 32)
+
+
+_PER_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def for_model(model, capacity: int, graphs: bool = True) -> SlotBatch:
+    """The model's slots (made on first use, kept between bursts with their graphs, freed with the
+    model)."""
+    kept = _PER_MODEL.setdefault(model, {})  # one per (capacity, graphs) asked: a benchmark asks two
+    if (capacity, graphs) not in kept:
+        kept[(capacity, graphs)] = SlotBatch(model, capacity, graphs)
+    return kept[(capacity, graphs)]

@@ -1,0 +1,199 @@
+"""chat/stepgraphs.py: the step loop in slots. The batched greedy pass picks what each row's own
+processors pick; the slot loop's replies are generate()'s alone (test_stepping's tests, run again
+here with slots on the CPU); the step a graph records reads no tensor data on the host; on a GPU the
+steps replay and give the eager steps' tokens."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import test_stepping
+import torch
+from test_stepping import FAST, TALKS, demo, inputs, static  # noqa: F401 - fixtures for the tests run again
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from transformers import (
+    ForcedEOSTokenLogitsProcessor,
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
+
+from chat.batching import Batcher, Request
+from chat.engine import DEMO_DIR, ChatEngine, load_checkpoint
+from chat.fastgen import EncoderNoRepeatNGram, NoRepeatNGram
+from chat.stepgraphs import SlotBatch, choose_greedy, plain_settings
+from chat.stepping import StepBatcher, _Row
+
+EOS = 2
+
+
+def _row_processors(penalty, min_length, min_new, max_length, n):
+    """One row's processors as transformers' generate() orders them (and chat.fastgen's n-gram rule)."""
+    eos = torch.tensor([EOS])
+    out = LogitsProcessorList()
+    if penalty != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(penalty))
+    if min_length:
+        out.append(MinLengthLogitsProcessor(min_length, eos))
+    if min_new:
+        out.append(MinNewTokensLengthLogitsProcessor(1, min_new, eos))
+    out.append(ForcedEOSTokenLogitsProcessor(max_length, eos))
+    if n:
+        out.append(NoRepeatNGram(n))
+    return out
+
+
+def test_the_batched_greedy_pass_picks_what_each_rows_own_processors_pick():
+    """Random rows over a 12-token vocabulary (so n-grams repeat and bans bite), each with its own
+    length and settings, many times: the batched pick equals each row's own processors' argmax."""
+    rng = random.Random(0)
+    vocab, columns, checked = 12, 16, 0
+    for trial in range(200):
+        rows = rng.randint(1, 6)
+        settings, seqs = [], []
+        for _ in range(rows):
+            length = rng.randint(1, columns - 1)
+            seqs.append([1] + [rng.choice([0, 3, 4, 5, 6, 7]) for _ in range(length - 1)])  # no EOS inside
+            settings.append(
+                dict(
+                    penalty=rng.choice([1.0, 1.2, 0.7]),
+                    min_length=rng.choice([0, 5]),
+                    min_new=rng.choice([0, 8]),
+                    max_length=rng.choice([length + 1, columns]),
+                    n=rng.choice([0, 2, 3]),
+                )
+            )
+        logits = torch.randn(rows, vocab) * 3
+        logits[:, EOS] += 2  # EOS often wins unless banned
+        want = []
+        for k in range(rows):
+            ids = torch.tensor([seqs[k]])
+            scores = _row_processors(**settings[k])(ids, logits[k : k + 1].clone())
+            want.append(int(scores.argmax(-1)))
+        ids = torch.full((rows, columns), vocab)
+        for k, seq in enumerate(seqs):
+            ids[k, : len(seq)] = torch.tensor(seq)
+        s = settings
+        got = choose_greedy(
+            logits,
+            ids,
+            torch.tensor([len(q) for q in seqs]),
+            torch.tensor([x["penalty"] for x in s]),
+            torch.tensor([max(x["min_length"], 1 + x["min_new"] if x["min_new"] else 0) for x in s]),
+            torch.tensor([x["max_length"] - 1 for x in s]),
+            torch.tensor([x["n"] for x in s]),
+            tuple(sorted({x["n"] for x in s if x["n"]})),
+            torch.arange(vocab) == EOS,
+        ).tolist()
+        assert got == want, f"trial {trial}: {settings} {seqs}"
+        checked += rows
+    assert checked > 500
+
+
+def _row(loaded, engine, settings, talk=0):
+    encoded, _ = engine.build_input(TALKS[talk])
+    kwargs = settings.generate_kwargs()
+    if settings.seed is not None:
+        kwargs["generator_seed"] = settings.seed
+    return _Row(Request(loaded, encoded, kwargs), loaded.model, 1)
+
+
+def test_which_rows_take_the_batched_pass(demo):  # noqa: F811
+    engine = ChatEngine(demo, "test", batcher=Batcher())
+    plain = plain_settings(_row(demo, engine, FAST), {EOS})
+    assert plain == {"penalty": 1.2, "eos_until": 1, "forced_at": 40, "ngram": 3, "max_length": 41}
+    longer = plain_settings(_row(demo, engine, replace(FAST, min_new_tokens=12)), {EOS})
+    assert longer["eos_until"] == 13  # 12 new tokens after the decoder's start token
+    sampled = replace(FAST, do_sample=True, temperature=0.9, top_p=0.8, seed=3)
+    assert plain_settings(_row(demo, engine, sampled), {EOS}) is None  # its own generator
+    encoder_rule = _row(demo, engine, replace(FAST, encoder_no_repeat_ngram_size=2))
+    assert any(isinstance(p, EncoderNoRepeatNGram) for p in encoder_rule.processors)
+    assert plain_settings(encoder_rule, {EOS}) is None
+    assert plain_settings(_row(demo, engine, FAST), {EOS, 7}) is None  # another EOS set
+
+
+@pytest.fixture
+def slots(monkeypatch):
+    monkeypatch.setattr(StepBatcher, "slots", True)
+
+
+# test_stepping's end-to-end tests again, in slots (each reply token for token generate()'s alone).
+@pytest.mark.usefixtures("slots")
+class TestInSlots:
+    test_join_and_leave = staticmethod(
+        test_stepping.test_requests_join_a_running_batch_and_leave_it_with_their_own_replies
+    )
+    test_streams = staticmethod(test_stepping.test_concurrent_streams_are_kept_apart_through_the_engine)
+    test_seeded = staticmethod(test_stepping.test_a_seeded_sample_is_the_same_beside_any_neighbours)
+    test_adapters = staticmethod(test_stepping.test_rows_of_different_adapters_share_steps_each_through_its_own)
+    test_text_streamer = staticmethod(test_stepping.test_a_text_streamer_reads_the_steps_as_it_reads_generate)
+
+
+def test_a_slot_holds_the_decoders_positions_and_no_more(demo, slots):  # noqa: F811
+    stepper = StepBatcher()
+    assert stepper.takes(demo, FAST.generate_kwargs())
+    positions = demo.model.config.max_position_embeddings
+    assert not stepper.takes(demo, replace(FAST, max_new_tokens=positions).generate_kwargs())  # to the static batcher
+    engine = ChatEngine(demo, "test", batcher=stepper)
+    assert engine.reply(TALKS[0], "ok", replace(FAST, max_new_tokens=positions))[0]
+    assert stepper.steps == 0
+
+
+def test_slots_are_reused_and_kept_between_bursts(demo, static):  # noqa: F811
+    engine = ChatEngine(demo, "test", batcher=static)
+    stepper = StepBatcher(max_batch=2)
+    stepper.slots = True
+    for _burst in range(2):
+        requests = [inputs(engine, i) for i in range(5)]
+        futures = [stepper.submit(demo, *r) for r in requests]
+        assert [f.result(60)[0].tolist() for f in futures] == [test_stepping.alone(static, demo, *r) for r in requests]
+    from chat import stepgraphs
+
+    batch = stepgraphs.for_model(demo.model, 2)
+    assert batch.capacity == 2 and not batch.rows and stepper.widest == 2
+
+
+def test_the_recorded_step_reads_no_tensor_data_on_the_host(demo, static):  # noqa: F811
+    """What a CUDA graph records must not turn a tensor into a Python value (``.item()``, a shape
+    from data, ``if tensor``): under fake tensors that raises. The slots' step body runs that way here
+    on the CPU, with every tensor it reads fake."""
+    engine = ChatEngine(demo, "test", batcher=static)
+    batch = SlotBatch(demo.model, 4, graphs=False)
+    with torch.inference_mode():
+        batch.join_all([Request(demo, *inputs(engine, i)) for i in range(3)])
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        for name, value in vars(batch).items():
+            if isinstance(value, torch.Tensor):
+                setattr(batch, name, fake.from_tensor(value))
+            elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+                setattr(batch, name, [fake.from_tensor(t) for t in value])
+        with fake:
+            batch._forward(4, (3,), 16, 32)
+            assert batch.choice.shape == (4,)
+            with pytest.raises(DataDependentOutputException):  # the check can fail: a host read
+                batch.length.max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replays_give_the_eager_steps_tokens():
+    loaded = load_checkpoint(str(DEMO_DIR), optimize="none")
+    loaded.model.cuda()
+    engine = ChatEngine(loaded, "test", batcher=Batcher())
+    requests = [inputs(engine, i) for i in range(12)]
+    replies = {}
+    for graphs in (False, True):
+        stepper = StepBatcher(max_batch=8)
+        stepper.cuda_graphs = "capture" if graphs else "off"
+        futures = [stepper.submit(loaded, *r) for r in requests]
+        replies[graphs] = [f.result(120)[0].tolist() for f in futures]
+        from chat import stepgraphs
+
+        batch = stepgraphs.for_model(loaded.model, 8, graphs)
+        assert (batch.replays > 0) == graphs and batch.graph_bytes >= 0
+    # The recorded steps run the eager steps' kernels: the same tokens. (Against generate() alone a
+    # GPU's batched products round differently; the CPU tests above check that equality.)
+    assert replies[True] == replies[False]
