@@ -21,7 +21,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.streamers import BaseStreamer
+from transformers.generation.streamers import BaseStreamer, TextIteratorStreamer
 
 from chat import graphs
 from chat.fastgen import fast_kwargs
@@ -71,6 +71,34 @@ class FanOutStreamer(BaseStreamer):
             if not self.done[i]:
                 streamer.end()
                 self.done[i] = True
+
+
+class ReaderTextStreamer(TextIteratorStreamer):
+    """transformers' ``TextIteratorStreamer``, with the decoding done in the reading thread.
+
+    ``put`` only queues the ids: the decoder's worker thread serves every row of a step, so the
+    tokenizer calls it would make for each of 64 rows (a decode of the reply so far, per token) hold up
+    all of them; the reader, one thread per chat, does them instead, beside the next step. The text
+    is the same: ``TextIteratorStreamer``'s own ``put``/``end`` run on the reader's side."""
+
+    def __init__(self, tokenizer, **kwargs):
+        super().__init__(tokenizer, **kwargs)
+        self._ids: queue.Queue = queue.Queue()
+
+    def put(self, value) -> None:
+        self._ids.put(value)
+
+    def end(self) -> None:
+        self._ids.put(None)
+
+    def __next__(self) -> str:
+        while self.text_queue.empty():
+            value = self._ids.get(timeout=self.timeout)
+            if value is None:
+                super().end()  # the rest of the text, then the stop signal
+            else:
+                super().put(value)
+        return super().__next__()
 
 
 # CUDA-graph decoding pads sources up to a multiple of this many tokens. ``chat.graphs`` records

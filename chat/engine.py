@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import TextIteratorStreamer
 
-from chat.batching import Batcher
+from chat.batching import Batcher, ReaderTextStreamer
 from chat.layout import DEFAULT_MODEL, DEMO_DIR
 from chat.loading import (  # loading lives there; BASE_PREFIX, load_checkpoint, place stay importable from here
     BASE_PREFIX,  # noqa: F401
@@ -441,7 +440,7 @@ class ChatEngine:
                 outputs.append(out)
             yield self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget
             return
-        streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=300)
+        streamer = ReaderTextStreamer(loaded.tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=300)
         future = self._batcher.submit(loaded, encoded, kwargs, streamer)
         text = ""
         for piece in streamer:

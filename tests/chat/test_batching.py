@@ -8,10 +8,10 @@ import weakref
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TextIteratorStreamer
 
 from chat import graphs
-from chat.batching import SOURCE_BUCKET, _pad
+from chat.batching import SOURCE_BUCKET, Batcher, ReaderTextStreamer, _pad
 from chat.engine import DEMO_DIR, ChatEngine, Conversation, GenerationSettings, load_checkpoint
 from chat.model import load_model
 
@@ -64,7 +64,8 @@ def test_a_source_padded_to_its_bucket_gets_the_unpadded_reply(tiny_path, beams)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_replies_of_one_bucket_share_graphs_and_match_plain_generate(tiny_path):
-    engine = ChatEngine(load_checkpoint(str(tiny_path), optimize="none"), "test")
+    # The static batcher's graphs (on a GPU the engine's step loop takes greedy replies itself).
+    engine = ChatEngine(load_checkpoint(str(tiny_path), optimize="none"), "test", batcher=Batcher())
     model = engine.current.model
     settings = GenerationSettings(max_new_tokens=12, min_new_tokens=12)
     conv = Conversation("none", "", [])
@@ -82,3 +83,22 @@ def test_replies_of_one_bucket_share_graphs_and_match_plain_generate(tiny_path):
     step_graphs = graphs.for_model(model)
     assert {key[1] for key in step_graphs._entries if key[0] == 1} == {-(-lengths[0] // SOURCE_BUCKET) * SOURCE_BUCKET}
     assert step_graphs.replays > 0
+
+
+def test_the_reader_side_streamer_gives_text_iterator_streamers_pieces(tiny_tokenizer):
+    """ReaderTextStreamer decodes in the reading thread: after the puts nothing is decoded yet, and
+    the pieces read are exactly TextIteratorStreamer's for the same ids (spaces, a new line, a word
+    split over tokens, a piece of punctuation held back until the next space)."""
+    text = "hello there, how are you?\nfine. unbelievably good! 12 dogs and 3.5 cats."
+    ids = [1, *tiny_tokenizer(text, add_special_tokens=False)["input_ids"], 2]
+    pieces = {}
+    for kind in (TextIteratorStreamer, ReaderTextStreamer):
+        streamer = kind(tiny_tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=5)
+        for token in ids:
+            streamer.put(torch.tensor([token]))
+        streamer.end()
+        if kind is ReaderTextStreamer:
+            assert streamer.text_queue.empty()  # put/end only queued the ids
+        pieces[kind] = list(streamer)
+    assert pieces[ReaderTextStreamer] == pieces[TextIteratorStreamer]
+    assert len(pieces[ReaderTextStreamer]) > 5 and "".join(pieces[ReaderTextStreamer]).strip().startswith("hello")
