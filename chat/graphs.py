@@ -18,7 +18,8 @@ milliseconds per shape) for every decoding strategy:
 * one graph and cache per shape (hypotheses, source length, cache length, dtype, attention, and
   where the weights live; ``chat.batching`` rounds source lengths up to multiples of 16, so the
   shapes repeat); the least recently used are dropped beyond ``capacity`` shapes or
-  ``budget_bytes`` of caches (8 concurrent beam-10 chats over 128 tokens hold ~1.2 GB in fp32).
+  ``budget_bytes`` of caches and the graphs' memory pools (what reserved memory grew by while each was
+  recorded; 8 concurrent beam-10 chats over 128 tokens hold ~1.2 GB of caches in fp32).
 
 On a CPU the same static-cache path runs eagerly (that is what the tests check against plain
 generate()); only the capture needs CUDA. A failed capture is logged once and that shape is served
@@ -242,9 +243,12 @@ class StepGraphs:
             torch.cuda.current_stream().wait_stream(side)
             rewind()
             graph = torch.cuda.CUDAGraph()
+            before = torch.cuda.memory_reserved()
             # thread_local: a model loading in another thread meanwhile (a swap) must not void it.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 recorded.output = eager(**static)
+            # The graph's private memory pool counts against the budget with the caches.
+            entry.bytes += max(0, torch.cuda.memory_reserved() - before)
             rewind()  # recording ran the Python (flags) but no kernels
         except Exception as err:  # some model code cannot be captured: serve this shape eagerly
             log.warning("CUDA-graph capture failed (%s: %s); decoding this shape eagerly", type(err).__name__, err)
