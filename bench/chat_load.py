@@ -13,6 +13,7 @@ model (made with random weights) instead of the base alone.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -28,19 +29,28 @@ from chat.model import ModelLoadError
 from chat.stepping import StepBatcher
 
 
-def make_batcher(scheduler: str, max_batch: int, on_gpu: bool = False) -> Batcher | StepBatcher:
-    if scheduler != "step":
+def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
+    """``static``: generate() per batch; ``step``: the step loop (on a GPU in slots, steps replayed
+    from CUDA graphs); ``step-eager``: the step loop without graphs."""
+    if scheduler == "static":
         return Batcher(max_batch=max_batch)
-    stepper = StepBatcher(max_batch=max_batch)
-    if on_gpu:
-        stepper.devices = ("cpu", "cuda")  # eager steps, no CUDA graphs (chat.stepping)
+    if scheduler not in ("step", "step-eager"):
+        raise SystemExit(f"unknown scheduler {scheduler!r}: static, step or step-eager")
+    # What the step loop does not take (beam search; on a GPU adapters' rows) goes to a static
+    # batcher with the same bound on rows.
+    stepper = StepBatcher(max_batch=max_batch, fallback=Batcher(max_batch=max_batch))
+    if scheduler == "step-eager":
+        stepper.cuda_graphs = "off"
     return stepper
 
 
-def load_round(engine: ChatEngine, chats, clients: int, replies: int, settings) -> dict:
-    """``clients`` threads in a closed loop on the engine's stream until ``replies`` replies are done."""
+def load_round(engine: ChatEngine, chats, clients: int, replies: int, settings, stream: bool = True) -> dict:
+    """``clients`` threads in a closed loop on the engine's stream (or, ``stream=False``, its whole
+    replies, as the API's non-streamed completions) until ``replies`` replies are done."""
 
     def make_stream(_k: int):
+        if not stream:
+            return lambda conv, message: iter([engine.reply(conv, message, settings)[0]])
         return lambda conv, message: (text for text, _ in engine.stream(conv, message, settings))
 
     return closed_loop(make_stream, chats, clients, replies)
@@ -56,20 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chat_load", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="facebook/blenderbot-400M-distill", help="else random-400M offline")
     parser.add_argument("--optimize", default="none", help="none, bf16 or int8 (one)")
-    parser.add_argument("--schedulers", default="static,step")
+    parser.add_argument("--schedulers", default="static,step", help="static, step, step-eager")
     parser.add_argument("--concurrency", default="1,8", help="comma-separated client counts")
     parser.add_argument("--replies", type=int, default=16, help="replies per round (at least the clients)")
     parser.add_argument("--reply_tokens", type=int, default=24)
     parser.add_argument("--max_batch", type=int, default=8, help="rows per batch / step")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, help="torch's CPU threads")
+    parser.add_argument("--no_stream", action="store_true", help="whole replies, not streamed (no text per token)")
+    parser.add_argument("--switch_interval", type=float, help="Python's thread switch interval (s; Python: 0.005)")
     parser.add_argument("--adapters", type=int, default=0, help="spread the chats over this many LoRA adapters")
     parser.add_argument("--adapter_r", type=int, default=8)
-    parser.add_argument("--step_on_gpu", action="store_true", help="the step scheduler on a GPU too (eager)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     quiet_transformers()
     spec = args.model
     try:
@@ -79,27 +92,31 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_apart(spec, optimize=args.optimize)
     schedulers = args.schedulers.split(",")
     # One engine (and so one set of attached adapters); each round runs on one scheduler's batcher.
-    batchers = {s: make_batcher(s, args.max_batch, args.step_on_gpu) for s in schedulers}
+    batchers = {s: make_batcher(s, args.max_batch) for s in schedulers}
     engine = ChatEngine(loaded, f"bench {spec}", batcher=batchers[schedulers[0]])
     settings = replace(GENERATION_PRESETS["fast"], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens)
     chats = prompt_set(args.prompts)
     with tempfile.TemporaryDirectory() as root:
         if args.adapters:
             chats = adapter_chats(engine, spec, chats, args.adapters, args.adapter_r, Path(root))
-        for name in schedulers:  # warm up each path once
+        counts = [int(c) for c in args.concurrency.split(",")]
+        for name in schedulers:  # warm up each path at the widest concurrency (graphs recorded)
             engine._batcher = batchers[name]
-            load_round(engine, chats, 2, 2, settings)
+            load_round(engine, chats, max(counts), max(counts), settings, not args.no_stream)
         results = []
-        for clients in [int(c) for c in args.concurrency.split(",")]:
+        for clients in counts:
             replies = max(args.replies, clients)
             for name in schedulers:
                 engine._batcher = batchers[name]
-                results.append({"scheduler": name, **load_round(engine, chats, clients, replies, settings)})
+                results.append(
+                    {"scheduler": name, **load_round(engine, chats, clients, replies, settings, not args.no_stream)}
+                )
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()
     header = (
         f"{spec} ({args.optimize}{f', {args.adapters} LoRA adapters' if args.adapters else ''}), "
-        f"{args.reply_tokens}-token fast replies, max batch {args.max_batch}, "
+        f"{args.reply_tokens}-token fast replies{' (not streamed)' if args.no_stream else ''}, "
+        f"max batch {args.max_batch}, "
         f"{hardware}, torch {env['torch']}, {env['date']}"
     )
     rows = []
