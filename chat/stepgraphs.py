@@ -14,8 +14,11 @@ half the static batcher's replies/s). Here instead:
   does not have (older rows' leftovers in a reused slot, a shorter source's padding). Nothing moves
   when rows join or leave, so a step's tensors always have the same addresses.
 * **Graphs.** A step over the first ``width`` slots (the highest used slot, rounded up to a power of
-  two) is recorded once per width, adapter and set of n-gram sizes, then replayed: embeddings, all
-  decoder layers, the LM head and the batched logits pass below in one launch. Widths share one
+  two), attending over the columns its rows need (rounded up to 32: the self-attention positions
+  and the sources), is recorded once per such shape and set of n-gram sizes, then replayed:
+  embeddings, all decoder layers, the LM head and the batched logits pass below in one launch.
+  Attention runs PyTorch's plain math path: with one query per row the fused kernels waste most of
+  their tiles (42% of a 64-row step on an H200, docs/chat-benchmarks.md). Widths share one
   memory pool; its size counts against ``budget_bytes`` with the caches (past it, new shapes run
   eagerly). Off a GPU, or with ``graphs=False``, the same step runs eagerly (the CPU tests do that).
 * **Batched logits.** Greedy rows whose processors are only those the ``fast`` preset and the API
@@ -29,8 +32,10 @@ half the static batcher's replies/s). Here instead:
 
 A row's reply is the one ``generate()`` gives it alone, up to float rounding (the CPU tests check
 greedy replies token for token on the demo model; on a GPU batched products round differently).
-Rows of different adapters share a step through peft's mixed-batch forward, eagerly (its per-adapter
-row selection is Python); rows of one adapter replay that adapter's graphs.
+Graphs record the base model's steps only (an adapter's weights may be detached and attached again
+elsewhere in memory); steps with adapters' rows run eagerly, rows of different adapters through
+peft's mixed-batch forward. On a GPU ``chat.stepping`` sends adapters' requests to the static
+batcher instead, whose recorded steps serve them faster (docs/chat-benchmarks.md).
 """
 
 from __future__ import annotations
@@ -182,7 +187,7 @@ class SlotBatch:
         self.eos_mask[list(self.eos)] = True
         self.slots: list = [None] * c  # the row in each slot
         self.graphs_on = graphs and device.type == "cuda"
-        self._graphs: dict = {}  # (width, sizes, adapter) -> CUDAGraph, or None where capture failed
+        self._graphs: dict = {}  # _forward's arguments -> CUDAGraph, or None where capture failed
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
         self.graph_bytes = 0  # what the graphs' memory pool took (counted against the budget)
         self.cache_bytes = per_row * c
@@ -195,9 +200,6 @@ class SlotBatch:
     @property
     def rows(self) -> list:
         return [row for row in self.slots if row is not None]
-
-    def free(self) -> int:
-        return self.slots.count(None)
 
     # -- joining -----------------------------------------------------------------------------------
 
