@@ -25,6 +25,7 @@ from starlette.middleware import Middleware
 import api
 from chat import clients
 from chat.engine import ChatEngine, load_apart
+from chat.stepping import concurrency
 from finetune.jobs.uploads import MAX_UPLOAD_BYTES
 from webui import (
     auth,
@@ -46,9 +47,9 @@ from webui.request_text import DropLoneSurrogates
 log = logging.getLogger("app")
 
 QUEUE_MAX_SIZE = 64
-# Up to 16 replies run at once, the CPU step loop's rows per step (chat.stepping.CPU_MAX_BATCH), so its
-# steps can fill; the engine batches concurrent replies (docs/chat-benchmarks.md).
-CONCURRENCY = 16
+# Replies run at once: the step loop's rows per step, so its steps can fill (16 on a CPU, 64 with a GPU,
+# CHAT_CONCURRENCY overrides: chat.stepping.concurrency); the engine batches them (docs/chat-benchmarks.md).
+CONCURRENCY = concurrency()
 # gradio refuses bigger uploads before they reach a handler (finetune.jobs checks again before parsing).
 # gradio keeps ~200 KB of state per browser session (a copy of every component's config), by default
 # for 10,000 sessions (~2 GB): 1,000 bounds it to ~200 MB. Nothing that matters lives only there: the

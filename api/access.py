@@ -5,7 +5,7 @@
   kept as SHA-256 digests and compared in constant time against all of them; they are never
   logged, and a refusal never repeats the key it was sent.
 - Capacity: the API shares the chat's engine and batcher, so it gets a bounded share of them: at
-  most ``max_active`` API replies in progress at once (the chat's own 8 concurrent slots keep
+  most ``max_active`` API replies in progress at once (the chat's own concurrent slots keep
   theirs: a browser visitor's reply waits behind at most that many API replies), and at most
   ``per_address`` for one client address (``chat.clients``: the socket's, or the proxy's entry on
   a Space). Past either, 429 with ``Retry-After``: about one reply's time (a running average).
@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from api.errors import APIError
+from chat.stepping import concurrency
 
 KEYS_ENV = "PERSONA_CHAT_API_KEYS"
-MAX_ACTIVE = 16  # API replies in progress at once (the chat's own concurrency, app.CONCURRENCY)
+MAX_ACTIVE = concurrency()  # API replies in progress at once: the chat's own (16 on a CPU, 64 with a GPU)
 PER_ADDRESS = 2  # of which one client address may hold this many
 
 

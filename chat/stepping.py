@@ -67,6 +67,27 @@ SCHEDULERS = ("step", "static")
 # 3.81 replies/s and first text after 2.53 s, 16 rows 4.38 and 0.83 s, 32 rows 4.75 and 0.76 s; the
 # app's 16 at once, app.CONCURRENCY, fill 16; docs/chat-benchmarks.md).
 CPU_MAX_BATCH = 16
+# Replies a server (the app's chat, the API) runs at once on a GPU: the step loop's 64-row steps served
+# 137 replies/s with p95 0.47 s on an H200, 256 rows 173 replies/s but p95 1.5 s (docs/chat-benchmarks.md).
+GPU_CONCURRENCY = 64
+CONCURRENCY_ENV = "CHAT_CONCURRENCY"
+
+
+def concurrency(value: str | None = None) -> int:
+    """How many replies the app's chat and the API each run at once, so the step loop's batches can
+    fill: CHAT_CONCURRENCY if set, else 64 with a GPU and CPU_MAX_BATCH (16) without."""
+    value = os.environ.get(CONCURRENCY_ENV) if value is None else value
+    if value is None or not value.strip():
+        return GPU_CONCURRENCY if torch.cuda.is_available() else CPU_MAX_BATCH
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 1024:
+        raise ValueError(f"{CONCURRENCY_ENV} must be a whole number from 1 to 1024, got {value!r}")
+    return count
+
+
 # Rows per step on a GPU at most (a 400M step costs about the same for 256 rows as for 1; the slots'
 # memory budget, chat.stepgraphs.GPU_BUDGET_BYTES, may allow fewer).
 GPU_MAX_BATCH = 256

@@ -224,3 +224,17 @@ def test_rows_of_the_same_settings_share_their_stateless_processors(demo):
     assert encoder_rule[0].processors is not encoder_rule[1].processors
     sampled = [_Row(Request(demo, *inputs(engine, 3)), demo.model, 1) for _ in range(2)]  # seeded sampling
     assert sampled[0].processors is sampled[1].processors and sampled[0].generator is not sampled[1].generator
+
+
+def test_the_servers_concurrency_setting(monkeypatch):
+    import torch
+
+    from chat.stepping import CPU_MAX_BATCH, GPU_CONCURRENCY, concurrency
+
+    monkeypatch.delenv("CHAT_CONCURRENCY", raising=False)
+    assert concurrency() == (GPU_CONCURRENCY if torch.cuda.is_available() else CPU_MAX_BATCH)
+    monkeypatch.setenv("CHAT_CONCURRENCY", "32")
+    assert concurrency() == 32
+    for bad in ("0", "-3", "many", "2000", "1.5"):
+        with pytest.raises(ValueError, match="CHAT_CONCURRENCY"):
+            concurrency(bad)
