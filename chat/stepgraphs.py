@@ -60,9 +60,19 @@ from chat.fastgen import NoRepeatNGram, _ban
 
 log = logging.getLogger(__name__)
 
-# Caches plus graph memory one model's step loop may hold on a GPU by default (64 fp32 rows of the
-# 400M model: 2 GiB of caches).
+# Caches plus graph memory one model's step loop may hold: on a GPU at most this, a quarter of the
+# device's memory and half of what is free when the slots are made (an H200: 16 GiB, 256 fp32 rows of
+# the 400M model at 31.5 MB each; a 16 GB T4: 4 GiB, ~97 rows); off a GPU (tests) 2 GiB.
 GPU_BUDGET_BYTES = 16 << 30
+CPU_BUDGET_BYTES = 2 << 30
+
+
+def default_budget(device: torch.device) -> int:
+    """The slots' memory budget on ``device`` (see GPU_BUDGET_BYTES)."""
+    if device.type != "cuda":
+        return CPU_BUDGET_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    return int(min(GPU_BUDGET_BYTES, total / 4, free / 2))
 
 
 def plain_settings(row, eos: set[int]) -> dict | None:
@@ -144,7 +154,7 @@ class _SlotSelfAttention:
 class SlotBatch:
     """The running rows of one model, in slots; ``join``/``step`` as ``chat.stepping._Batch``."""
 
-    def __init__(self, model, capacity: int, graphs: bool = True, budget_bytes: int = GPU_BUDGET_BYTES):
+    def __init__(self, model, capacity: int, graphs: bool = True, budget_bytes: int | None = None):
         self._model = weakref.ref(model)
         config, decoder = model.config, model.get_decoder()
         attn = decoder.layers[0].self_attn
@@ -153,6 +163,7 @@ class SlotBatch:
         self.sources = getattr(config, "max_source_positions", None) or config.max_position_embeddings
         dtype, device = model.dtype, model.device
         layers = len(decoder.layers)
+        budget_bytes = default_budget(device) if budget_bytes is None else budget_bytes
         per_row = layers * 2 * heads * dim * (self.columns + self.sources) * dtype.itemsize
         self.capacity = max(1, min(capacity, int(budget_bytes * 3 / 4) // per_row))
         self.budget_bytes = budget_bytes

@@ -89,7 +89,7 @@ def concurrency(value: str | None = None) -> int:
 
 
 # Rows per step on a GPU at most (a 400M step costs about the same for 256 rows as for 1; the slots'
-# memory budget, chat.stepgraphs.GPU_BUDGET_BYTES, may allow fewer).
+# memory budget, chat.stepgraphs.default_budget, may allow fewer).
 GPU_MAX_BATCH = 256
 
 

@@ -197,3 +197,14 @@ def test_graph_replays_give_the_eager_steps_tokens():
     # The recorded steps run the eager steps' kernels: the same tokens. (Against generate() alone a
     # GPU's batched products round differently; the CPU tests above check that equality.)
     assert replies[True] == replies[False]
+
+
+def test_the_slots_fit_their_memory_budget(demo):  # noqa: F811
+    """Rows beyond what three quarters of the budget holds are not made (the rest is for the graphs):
+    a small GPU gets fewer slots instead of running out of memory."""
+    from chat.stepgraphs import CPU_BUDGET_BYTES, default_budget
+
+    per_row = SlotBatch(demo.model, 8, graphs=False).cache_bytes // 8
+    assert SlotBatch(demo.model, 64, graphs=False, budget_bytes=per_row * 4 * 4 // 3 + 1).capacity == 4
+    assert SlotBatch(demo.model, 64, graphs=False, budget_bytes=1).capacity == 1  # never none
+    assert default_budget(torch.device("cpu")) == CPU_BUDGET_BYTES
