@@ -86,7 +86,7 @@ class ReaderTextStreamer(TextIteratorStreamer):
         self._ids: queue.Queue = queue.Queue()
 
     def put(self, value) -> None:
-        self._ids.put(value)
+        self._ids.put(value.clone())  # read later: a copy the producer cannot change meanwhile
 
     def end(self) -> None:
         self._ids.put(None)
