@@ -75,12 +75,16 @@ def default_budget(device: torch.device) -> int:
     return int(min(GPU_BUDGET_BYTES, total / 4, free / 2))
 
 
+# choose_greedy's per-row settings that change nothing (what a row it does not process gets).
+_UNPROCESSED = {"penalty": 1.0, "eos_until": 0, "forced_at": -1, "ngram": 0}
+
+
 def plain_settings(row, eos: set[int]) -> dict | None:
     """A greedy row's processors and stopping criteria as numbers ``choose_greedy`` applies, or None
     when any of them is something else (then the row takes its own processors)."""
     if row.sample:
         return None
-    out = {"penalty": 1.0, "eos_until": 0, "forced_at": -1, "ngram": 0}
+    out = dict(_UNPROCESSED)
     for p in row.processors:
         if isinstance(p, RepetitionPenaltyLogitsProcessor) and p.prompt_ignore_length is None:
             out["penalty"] = float(p.penalty)
@@ -152,7 +156,8 @@ class _SlotSelfAttention:
 
 
 class SlotBatch:
-    """The running rows of one model, in slots; ``join``/``step`` as ``chat.stepping._Batch``."""
+    """The running rows of one model, in slots: ``join_all`` (several requests at once), then ``step``
+    and ``rows`` as ``chat.stepping._Batch``."""
 
     def __init__(self, model, capacity: int, graphs: bool = True, budget_bytes: int | None = None):
         self._model = weakref.ref(model)
@@ -214,9 +219,6 @@ class SlotBatch:
 
     # -- joining -----------------------------------------------------------------------------------
 
-    def join(self, request: Request) -> None:
-        self.join_all([request])
-
     def join_all(self, requests: list[Request]) -> None:
         """Give each request a free slot, encode their sources together (per adapter) into the
         slots' cross-attention keys/values, and set each slot's row up."""
@@ -236,7 +238,7 @@ class SlotBatch:
         for request, slot in placed:
             row = _Row(request, model, start)
             row.slot, row.plain, row.tokens = slot, plain_settings(row, self.eos), [start]
-            s = row.plain or {"penalty": 1.0, "eos_until": 0, "forced_at": -1, "ngram": 0}
+            s = row.plain or _UNPROCESSED
             self.ids[slot].fill_(self.vocab)
             self.ids[slot, 0] = start
             self.length[slot], self.tokens[slot, 0], self.active[slot] = 1, start, True
@@ -260,13 +262,12 @@ class SlotBatch:
             ids[k, :n] = r.encoded["input_ids"][0, r.encoded["attention_mask"][0].bool()]
             mask[k, :n] = 1
         ids, mask = ids.to(model.device), mask.to(model.device)
+        from chat.stepping import cross_keys_values
+
         with requests[0].loaded.activated():  # its adapter's projections (or none)
             hidden = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-            for i, layer in enumerate(model.get_decoder().layers):
-                attn = layer.encoder_attn
-                shape = (len(requests), width, -1, attn.head_dim)
-                self.cross_keys[i][slots, :, :width] = attn.k_proj(hidden).view(shape).transpose(1, 2)
-                self.cross_values[i][slots, :, :width] = attn.v_proj(hidden).view(shape).transpose(1, 2)
+            for i, (k, v) in enumerate(cross_keys_values(model.get_decoder(), hidden)):
+                self.cross_keys[i][slots, :, :width], self.cross_values[i][slots, :, :width] = k, v
         visible = torch.arange(self.sources, device=model.device)[None] < mask.sum(1)[:, None]
         self.cross_mask[slots] = torch.where(visible, 0.0, low).to(self.cross_mask.dtype)[:, None, None]
 
@@ -354,10 +355,10 @@ class SlotBatch:
         done = []
         others = [row for row in rows if row.plain is None]
         if others:  # their own processors (and generators) on their own logits
-            logits = self.logits[torch.tensor([row.slot for row in others], device=self.logits.device)].cpu()
+            own = torch.tensor([row.slot for row in others], device=self.logits.device)
+            logits = self.logits[own].cpu()
             done += [row for i, row in enumerate(others) if row.choose(logits[i : i + 1])]
-            picked = torch.tensor([int(row.ids[0, -1]) for row in others], device=self.choice.device)
-            self.choice[torch.tensor([row.slot for row in others], device=self.choice.device)] = picked
+            self.choice[own] = torch.tensor([int(row.ids[0, -1]) for row in others], device=own.device)
         active, length = self.active[:width], self.length[:width]
         column = length.clamp(max=self.columns - 1)[:, None]
         ids = self.ids[:width]

@@ -23,8 +23,9 @@ this loop does not do go to the static batcher. Rows of different LoRA adapters 
 step (``chat.lora.rows_of``): each row gets its own low-rank update.
 
 On a GPU the rows live in fixed-address slots and each step is replayed from a CUDA graph
-(``chat.stepgraphs.SlotBatch``, same ``join``/``step``); there adapters' requests go to the static
-batcher, whose recorded steps (``chat.graphs``) serve them faster than eager mixed steps.
+(``chat.stepgraphs.SlotBatch``: the same ``step``, requests join several at a time); there adapters'
+requests go to the static batcher, whose recorded steps (``chat.graphs``) serve them faster than
+eager mixed steps.
 
 Private transformers helpers used (pinned by these tests): ``_prepare_generation_config``,
 ``_prepare_special_tokens``, ``_prepare_generated_length``, ``_get_logits_processor``,
@@ -231,14 +232,7 @@ class _Batch:
         row = _Row(request, model, model.generation_config.decoder_start_token_id)
         encoded = {k: v.to(model.device) for k, v in request.encoded.items()}
         with request.loaded.activated():  # its adapter's projections (or none) for its encoder states
-            hidden = model.get_encoder()(**encoded).last_hidden_state
-            layers = []
-            for layer in self.decoder.layers:
-                attn = layer.encoder_attn
-                shape = (1, hidden.shape[1], -1, attn.head_dim)
-                layers.append(
-                    (attn.k_proj(hidden).view(shape).transpose(1, 2), attn.v_proj(hidden).view(shape).transpose(1, 2))
-                )
+            layers = cross_keys_values(self.decoder, model.get_encoder()(**encoded).last_hidden_state)
         width = max([row.source, *(r.source for r in self.rows)])
         joined = []
         for i, (k, v) in enumerate(layers):
@@ -300,6 +294,18 @@ class _Batch:
         sa = self.self_attention
         sa.keys = [k.index_select(0, index) for k in sa.keys]
         sa.values = [v.index_select(0, index) for v in sa.values]
+
+
+def cross_keys_values(decoder, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each decoder layer's cross-attention keys and values (rows, heads, positions, dim) projected
+    from the encoder's output ``hidden`` (rows, positions, features): what the layers would project
+    at every step, done once."""
+    out = []
+    for layer in decoder.layers:
+        attn = layer.encoder_attn
+        shape = (*hidden.shape[:2], -1, attn.head_dim)
+        out.append((attn.k_proj(hidden).view(shape).transpose(1, 2), attn.v_proj(hidden).view(shape).transpose(1, 2)))
+    return out
 
 
 def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
