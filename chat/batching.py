@@ -74,30 +74,62 @@ class FanOutStreamer(BaseStreamer):
 
 
 class ReaderTextStreamer(TextIteratorStreamer):
-    """transformers' ``TextIteratorStreamer``, with the decoding done in the reading thread.
+    """transformers' ``TextIteratorStreamer``, with the decoding done in the reading thread, and
+    tokens handed over at most every ``interval`` seconds.
 
-    ``put`` only queues the ids: the decoder's worker thread serves every row of a step, so the
+    ``put`` only keeps the ids: the decoder's worker thread serves every row of a step, so the
     tokenizer calls it would make for each of 64 rows (a decode of the reply so far, per token) hold up
-    all of them; the reader, one thread per chat, does them instead, beside the next step. The text
-    is the same: ``TextIteratorStreamer``'s own ``put``/``end`` run on the reader's side."""
+    all of them; the reader, one thread per chat, does them instead, beside the next step, and reads
+    every id that arrived since its last read in one decode. With ``interval`` > 0 the reader is woken
+    for the first token at once, then at most every ``interval`` s and at the end: on a GPU a 64-row
+    step takes a few milliseconds, and waking 64 readers after each (a thread switch and a decode
+    per token, all under the GIL) cost more than the step (docs/chat-benchmarks.md). The text is the
+    same; only its pieces may be longer (``TextIteratorStreamer``'s own ``put``/``end`` cut them)."""
 
-    def __init__(self, tokenizer, **kwargs):
+    def __init__(self, tokenizer, interval: float = 0.0, **kwargs):
+        if kwargs.get("skip_prompt"):  # ids are read in runs: where a prompt ended is not kept
+            raise ValueError("ReaderTextStreamer streams generated ids only: skip_prompt is not supported")
         super().__init__(tokenizer, **kwargs)
-        self._ids: queue.Queue = queue.Queue()
+        self.interval = interval
+        self._ready = threading.Condition()
+        self._ids: list[int] = []  # put, not read yet
+        self._ended = False
+        self._puts = 0
+        self._woken = -float("inf")  # when the reader was last woken
 
     def put(self, value) -> None:
-        self._ids.put(value.clone())  # read later: a copy the producer cannot change meanwhile
+        if value.dim() > 1 and value.shape[0] > 1:
+            raise ValueError("TextStreamer only supports batch size 1")
+        self.put_ids(value.reshape(-1).tolist())
+
+    def put_ids(self, ids: list[int]) -> None:
+        """``put`` for ids as ints (the step loop's worker: no torch call per row, each of which
+        would let the readers take the GIL from it)."""
+        with self._ready:
+            self._ids += ids
+            self._puts += 1
+            now = time.monotonic()
+            # The first two puts (the decoder's start token, then the first new one) wake it at once:
+            # the time to the first text is not held back.
+            if self._puts <= 2 or now - self._woken >= self.interval:
+                self._woken = now
+                self._ready.notify()
 
     def end(self) -> None:
-        self._ids.put(None)
+        with self._ready:
+            self._ended = True
+            self._ready.notify()
 
     def __next__(self) -> str:
         while self.text_queue.empty():
-            value = self._ids.get(timeout=self.timeout)
-            if value is None:
+            with self._ready:
+                if not self._ready.wait_for(lambda: self._ids or self._ended, timeout=self.timeout):
+                    raise queue.Empty  # as TextIteratorStreamer's own wait does
+                ids, self._ids, ended = self._ids, [], self._ended
+            if ids:
+                super().put(torch.tensor(ids))
+            if ended:
                 super().end()  # the rest of the text, then the stop signal
-            else:
-                super().put(value)
         return super().__next__()
 
 

@@ -4,6 +4,8 @@ decoding pads sources to length buckets without changing replies."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import weakref
 
 import pytest
@@ -85,20 +87,63 @@ def test_replies_of_one_bucket_share_graphs_and_match_plain_generate(tiny_path):
     assert step_graphs.replays > 0
 
 
-def test_the_reader_side_streamer_gives_text_iterator_streamers_pieces(tiny_tokenizer):
-    """ReaderTextStreamer decodes in the reading thread: after the puts nothing is decoded yet, and
-    the pieces read are exactly TextIteratorStreamer's for the same ids (spaces, a new line, a word
-    split over tokens, a piece of punctuation held back until the next space)."""
+def test_the_reader_side_streamer_gives_text_iterator_streamers_text(tiny_tokenizer):
+    """ReaderTextStreamer decodes in the reading thread: after the puts nothing is decoded yet; read
+    token by token its pieces are exactly TextIteratorStreamer's for the same ids (spaces, a new line,
+    a word split over tokens, a piece of punctuation held back until the next space), and ids that
+    arrived together are read in one decode (longer pieces, the same text)."""
     text = "hello there, how are you?\nfine. unbelievably good! 12 dogs and 3.5 cats."
     ids = [1, *tiny_tokenizer(text, add_special_tokens=False)["input_ids"], 2]
-    pieces = {}
-    for kind in (TextIteratorStreamer, ReaderTextStreamer):
+
+    def read(kind, together: bool) -> list[str]:
         streamer = kind(tiny_tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=5)
+        pieces: list[str] = []
+        reader = threading.Thread(target=lambda: pieces.extend(streamer))
+        if not together:  # a reader keeping up: it has taken each id before the next is put
+            reader.start()
+        for token in ids:
+            streamer.put(torch.tensor([token]))
+            while kind is ReaderTextStreamer and not together and streamer._ids:
+                time.sleep(0.001)
+        if together and kind is ReaderTextStreamer:
+            assert streamer.text_queue.empty()  # put only keeps the ids
+        streamer.end()
+        if together:
+            reader.start()
+        reader.join(10)
+        return [p for p in pieces if p]
+
+    expected = read(TextIteratorStreamer, together=False)
+    assert len(expected) > 5 and "".join(expected).strip().startswith("hello")
+    assert read(ReaderTextStreamer, together=False) == expected
+    assert "".join(read(ReaderTextStreamer, together=True)) == "".join(expected)
+    assert len(read(ReaderTextStreamer, together=True)) == 2  # one decode to the last space; the end's rest
+
+
+def test_the_reader_side_streamer_wakes_its_reader_at_most_every_interval(tiny_tokenizer):
+    """With an interval, the reader is woken for the first two puts (the decoder's start token and
+    the first new one: the first text is not held back), then at most once per interval, and at the
+    end; without one, at every put. The text read is the same."""
+    ids = [1, *tiny_tokenizer("one two three four five six seven", add_special_tokens=False)["input_ids"], 2]
+    texts, wakes = {}, {}
+    for interval in (0.0, 3600.0):
+        streamer = ReaderTextStreamer(tiny_tokenizer, interval, skip_prompt=False, skip_special_tokens=True, timeout=5)
+        notify, count = streamer._ready.notify, []
+        streamer._ready.notify = lambda *a, notify=notify, count=count: (count.append(1), notify(*a))[1]
         for token in ids:
             streamer.put(torch.tensor([token]))
         streamer.end()
-        if kind is ReaderTextStreamer:
-            assert streamer.text_queue.empty()  # put/end only queued the ids
-        pieces[kind] = list(streamer)
-    assert pieces[ReaderTextStreamer] == pieces[TextIteratorStreamer]
-    assert len(pieces[ReaderTextStreamer]) > 5 and "".join(pieces[ReaderTextStreamer]).strip().startswith("hello")
+        texts[interval], wakes[interval] = "".join(streamer), len(count)
+    assert texts[0.0] == texts[3600.0] and texts[0.0].strip().startswith("one two")
+    assert wakes == {0.0: len(ids) + 1, 3600.0: 3}
+
+
+def test_the_reader_side_streamer_takes_one_rows_ids(tiny_tokenizer):
+    streamer = ReaderTextStreamer(tiny_tokenizer)
+    with pytest.raises(ValueError, match="batch size 1"):
+        streamer.put(torch.tensor([[1, 2], [3, 4]]))
+    streamer.put(torch.tensor([[5, 6]]))  # one row, as generate() hands its first ids over
+    streamer.put_ids([7])
+    assert streamer._ids == [5, 6, 7]
+    with pytest.raises(ValueError, match="skip_prompt"):
+        ReaderTextStreamer(tiny_tokenizer, skip_prompt=True)
