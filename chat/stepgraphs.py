@@ -179,20 +179,28 @@ class SlotBatch:
 
         self.self_keys = [zeros(c, heads, self.columns, dim) for _ in range(layers)]
         self.self_values = [zeros(c, heads, self.columns, dim) for _ in range(layers)]
-        self.cross_keys = [zeros(c, heads, self.sources, dim) for _ in range(layers)]
-        self.cross_values = [zeros(c, heads, self.sources, dim) for _ in range(layers)]
+        # What joining writes has one more row, slot ``c``: a join is recorded for a power-of-two
+        # number of joiners, and the padding rows write there (no step reads it).
+        j = c + 1
+        self.cross_keys = [zeros(j, heads, self.sources, dim) for _ in range(layers)]
+        self.cross_values = [zeros(j, heads, self.sources, dim) for _ in range(layers)]
         low = torch.finfo(dtype).min
-        self.cross_mask = torch.full((c, 1, 1, self.sources), low, dtype=dtype, device=device)
+        self.cross_mask = torch.full((j, 1, 1, self.sources), low, dtype=dtype, device=device)
         self.vocab = model.get_output_embeddings().weight.shape[0]
         long = torch.long
-        self.ids = torch.full((c, self.columns), self.vocab, dtype=long, device=device)
-        self.length = torch.ones(c, dtype=long, device=device)  # ids so far (a free slot: 1, harmless)
-        self.tokens = torch.zeros(c, 1, dtype=long, device=device)  # the id each row feeds next
-        self.active = torch.zeros(c, dtype=torch.bool, device=device)
-        self.penalty = torch.ones(c, device=device)
-        self.eos_until = torch.zeros(c, dtype=long, device=device)
-        self.forced_at = torch.full((c,), -1, dtype=long, device=device)
-        self.ngram = torch.zeros(c, dtype=long, device=device)
+        self.ids = torch.full((j, self.columns), self.vocab, dtype=long, device=device)
+        self.length = torch.ones(j, dtype=long, device=device)  # ids so far (a free slot: 1, harmless)
+        self.tokens = torch.zeros(j, 1, dtype=long, device=device)  # the id each row feeds next
+        self.active = torch.zeros(j, dtype=torch.bool, device=device)
+        self.penalty = torch.ones(j, device=device)
+        self.eos_until = torch.zeros(j, dtype=long, device=device)
+        self.forced_at = torch.full((j,), -1, dtype=long, device=device)
+        self.ngram = torch.zeros(j, dtype=long, device=device)
+        # Joiners' inputs, copied in by one transfer each: per row its source ids, their mask, its
+        # slot, then its eos_until, forced_at and n-gram size (``_join_body`` reads them).
+        self.staged = torch.zeros(c, 2 * self.sources + 4, dtype=long, device=device)
+        self.staged_penalty = torch.ones(c, device=device)
+        self.source_index = torch.arange(self.sources, device=device)
         self.slot_index = torch.arange(c, device=device)
         self.column_index = torch.arange(self.columns, device=device)
         self.choice = torch.zeros(c, dtype=long, device=device)
@@ -208,6 +216,8 @@ class SlotBatch:
         self.graph_bytes = 0  # what the graphs' memory pool took (counted against the budget)
         self.cache_bytes = per_row * c
         self.replays = 0
+        self.joins_replayed = 0
+        self._flight = None  # the step started and not yet collected: (rows, width, rows choosing on the host)
 
     @property
     def model(self):
@@ -220,64 +230,95 @@ class SlotBatch:
     # -- joining -----------------------------------------------------------------------------------
 
     def join_all(self, requests: list[Request]) -> None:
-        """Give each request a free slot, encode their sources together (per adapter) into the
-        slots' cross-attention keys/values, and set each slot's row up."""
+        """Give each request a free slot and set its row up there: the sources of the requests of
+        each model (base or adapter) encoded together into their slots' cross-attention keys/values."""
         from chat.stepping import _Row
 
         model = self.model
         free = [i for i, row in enumerate(self.slots) if row is None]
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} rows joining, {len(free)} slots free")
-        placed = list(zip(requests, free))
-        groups: dict[int, list] = {}
-        for request, slot in placed:
-            groups.setdefault(id(request.loaded), []).append((request, slot))
-        for group in groups.values():
-            self._encode(group)
         start = model.generation_config.decoder_start_token_id
-        for request, slot in placed:
+        groups: dict[int, list] = {}
+        for request, slot in zip(requests, free):
             row = _Row(request, model, start)
+            if row.source > self.sources:
+                raise ValueError(f"a source of {row.source} tokens is over the encoder's {self.sources} positions")
             row.slot, row.plain, row.tokens = slot, plain_settings(row, self.eos), [start]
-            s = row.plain or _UNPROCESSED
-            self.ids[slot].fill_(self.vocab)
-            self.ids[slot, 0] = start
-            self.length[slot], self.tokens[slot, 0], self.active[slot] = 1, start, True
-            self.penalty[slot], self.eos_until[slot] = s["penalty"], s["eos_until"]
-            self.forced_at[slot], self.ngram[slot] = s["forced_at"], s["ngram"]
-            self.slots[slot] = row
+            groups.setdefault(id(request.loaded), []).append(row)
+        for rows in groups.values():
+            self._join(rows)
+        for rows in groups.values():
+            for row in rows:
+                self.slots[row.slot] = row
 
-    def _encode(self, placed: list) -> None:
-        """The requests' sources, right-padded to the longest (positions as alone) and masked,
-        through the encoder, and each decoder layer's cross-attention keys/values into their slots."""
-        model, low = self.model, torch.finfo(self.cross_mask.dtype).min
-        requests = [request for request, _ in placed]
-        slots = torch.tensor([slot for _, slot in placed], device=model.device)
-        sizes = [int(r.encoded["attention_mask"].sum()) for r in requests]
-        width = max(sizes)
-        if width > self.sources:
-            raise ValueError(f"a source of {width} tokens is over the encoder's {self.sources} positions")
-        ids = torch.full((len(requests), width), model.config.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for k, (r, n) in enumerate(zip(requests, sizes)):
-            ids[k, :n] = r.encoded["input_ids"][0, r.encoded["attention_mask"][0].bool()]
-            mask[k, :n] = 1
-        ids, mask = ids.to(model.device), mask.to(model.device)
+    def _join(self, rows: list) -> None:
+        """Copy the rows' sources and settings to the device (two transfers) and run ``_join_body``
+        for them, recorded as a CUDA graph per (joiners rounded up to a power of two, longest source
+        rounded up to 32) like the steps: a join is one launch, not the ~200 of an eager encoder."""
+        model, sources = self.model, self.sources
+        n = min(self.capacity, 1 << (len(rows) - 1).bit_length())
+        width = _bucket(max(row.source for row in rows), sources)
+        # Built as Python lists, one tensor each at the end: under load every torch call lets other
+        # threads take the GIL, and each costs this worker a wait (docs/chat-benchmarks.md).
+        pad = model.config.pad_token_id or 0
+        staged = [[pad] * sources + [1] + [0] * (sources - 1) + [self.capacity, 0, -1, 0]] * n  # padding rows:
+        penalty = [1.0] * n  # one token seen (none would divide by zero), written into the spare slot
+        for k, row in enumerate(rows):
+            encoded = row.request.encoded
+            ids = [t for t, m in zip(encoded["input_ids"][0].tolist(), encoded["attention_mask"][0].tolist()) if m]
+            s = row.plain or _UNPROCESSED
+            fields = [row.slot, s["eos_until"], s["forced_at"], s["ngram"]]
+            staged[k] = ids + [pad] * (sources - len(ids)) + [1] * len(ids) + [0] * (sources - len(ids)) + fields
+            penalty[k] = s["penalty"]
+        staged, penalty = torch.tensor(staged), torch.tensor(penalty)
+        self.staged[:n].copy_(staged)
+        self.staged_penalty[:n].copy_(penalty)
+        loaded = rows[0].request.loaded
+        with loaded.activated():  # its adapter's projections (or none)
+            graph = None
+            if self.graphs_on and loaded.adapter is None:
+                graph = self._graph(("join", n, width), lambda: self._join_body(n, width))
+            if graph is not None:
+                graph.replay()
+                self.joins_replayed += 1
+            else:
+                self._join_body(n, width)
+
+    def _join_body(self, n: int, width: int) -> None:
+        """Encode the first ``n`` staged sources (``width`` positions, right-padded and masked, each
+        at its positions as alone), project each decoder layer's cross-attention keys/values into
+        their slots and set the slots' rows up. Reads and writes only fixed-address tensors."""
+        model, sources = self.model, self.sources
+        staged = self.staged[:n]
+        ids, mask, slots = staged[:, :width], staged[:, sources : sources + width], staged[:, 2 * sources]
         from chat.stepping import cross_keys_values
 
-        with requests[0].loaded.activated():  # its adapter's projections (or none)
-            hidden = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-            for i, (k, v) in enumerate(cross_keys_values(model.get_decoder(), hidden)):
-                self.cross_keys[i][slots, :, :width], self.cross_values[i][slots, :, :width] = k, v
-        visible = torch.arange(self.sources, device=model.device)[None] < mask.sum(1)[:, None]
-        self.cross_mask[slots] = torch.where(visible, 0.0, low).to(self.cross_mask.dtype)[:, None, None]
+        hidden = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        for i, (k, v) in enumerate(cross_keys_values(model.get_decoder(), hidden)):
+            self.cross_keys[i][:, :, :width].index_copy_(0, slots, k)
+            self.cross_values[i][:, :, :width].index_copy_(0, slots, v)
+        low = torch.finfo(self.cross_mask.dtype).min
+        visible = self.source_index[None] < mask.sum(1)[:, None]
+        self.cross_mask.index_copy_(0, slots, torch.where(visible, 0.0, low).to(self.cross_mask.dtype)[:, None, None])
+        start = model.generation_config.decoder_start_token_id
+        self.ids.index_fill_(0, slots, self.vocab)
+        self.ids[:, 0].index_fill_(0, slots, start)
+        self.length.index_fill_(0, slots, 1)
+        self.tokens[:, 0].index_fill_(0, slots, start)
+        self.active.index_fill_(0, slots, True)
+        self.penalty.index_copy_(0, slots, self.staged_penalty[:n])
+        for column, field in enumerate((self.eos_until, self.forced_at, self.ngram)):
+            field.index_copy_(0, slots, staged[:, 2 * sources + 1 + column])
 
     # -- stepping ----------------------------------------------------------------------------------
 
-    def _forward(self, width: int, sizes: tuple[int, ...], columns: int, sources: int) -> None:
+    def _forward(self, width: int, sizes: tuple[int, ...], columns: int, sources: int, advance: bool = False) -> None:
         """One decoder step over slots [0, width), attending over the first ``columns`` positions
         of the self-attention cache and ``sources`` of the cross-attention one (enough for every
-        running row): logits into ``self.logits``, the batched greedy choice into ``self.choice``.
-        Reads and writes only fixed-address tensors (a graph body)."""
+        running row): logits into ``self.logits``, the batched greedy choice into ``self.choice``
+        and, ``advance``, each row on by that choice (every row greedy). Reads and writes only
+        fixed-address tensors (a graph body)."""
         from chat.stepping import _Layer, _StepCache
 
         model = self.model
@@ -317,10 +358,13 @@ class SlotBatch:
             self.eos_mask,
         )
         self.choice[:width].copy_(chosen)
+        if advance:
+            self._advance(width)
 
     def drop(self) -> None:
         """Forget every row (after a failed step)."""
         self.slots = [None] * self.capacity
+        self._flight = None
         self.active.zero_()
 
     def serving(self):
@@ -335,8 +379,30 @@ class SlotBatch:
         used = max(i for i, row in enumerate(self.slots) if row is not None)
         return min(self.capacity, 1 << used.bit_length())  # slots [0, width): a power of two
 
-    def step(self) -> list:
-        """One decoder step for every row; returns the rows that finished (their slots freed)."""
+    def step(self, between=None, ahead: bool = False) -> list:
+        """One decoder step for every row; returns the rows that finished (their slots freed).
+
+        ``between()`` (the batcher letting new requests join) runs once this step's tokens are
+        known and the finished rows' slots free. Then, ``ahead``, where every row's next token is
+        chosen on the device (the greedy rows of a base model), the next step is started before this
+        one's tokens reach the streamers: the readers' Python runs beside the device's next step
+        (the next call collects it). The tokens are those of stepping one step at a time."""
+        if self._flight is None:
+            self._launch()
+        done, handed = self._collect()
+        if between is not None:
+            between()
+        if ahead and self.rows and all(row.plain and row.request.loaded.adapter is None for row in self.rows):
+            self._launch()
+        for streamer, token in handed:
+            if hasattr(streamer, "put_ids"):  # ReaderTextStreamer takes ints: no torch call per row
+                streamer.put_ids([token])
+            else:
+                streamer.put(torch.tensor([token]))
+        return done
+
+    def _launch(self) -> None:
+        """Start a step over the running rows (queued on the device; nothing waits for it)."""
         rows, width = self.rows, self._width()
         shape = (
             width,
@@ -344,35 +410,51 @@ class SlotBatch:
             _bucket(max(len(row.tokens) if row.plain else row.ids.shape[1] for row in rows), self.columns),
             _bucket(max(row.source for row in rows), self.sources),
         )
-        graph = None
-        if self.graphs_on and all(row.request.loaded.adapter is None for row in rows):
-            graph = self._graph(shape)  # adapters' rows: eager (their weights may be swapped)
-        if graph is not None:
-            graph.replay()
-            self.replays += 1
-        else:
-            self._forward(*shape)
-        done = []
         others = [row for row in rows if row.plain is None]
-        if others:  # their own processors (and generators) on their own logits
-            own = torch.tensor([row.slot for row in others], device=self.logits.device)
-            logits = self.logits[own].cpu()
-            done += [row for i, row in enumerate(others) if row.choose(logits[i : i + 1])]
-            self.choice[own] = torch.tensor([int(row.ids[0, -1]) for row in others], device=own.device)
+        shape = (*shape, not others)  # every row's token chosen on the device: the rows advance in the step
+        with self.serving():
+            graph = None
+            if self.graphs_on and all(row.request.loaded.adapter is None for row in rows):
+                # adapters' rows: eager (their weights may be swapped)
+                # (warmed up without advancing: the warm-up runs, the capture does not)
+                graph = self._graph(shape, lambda: self._forward(*shape), lambda: self._forward(*shape[:-1]))
+            if graph is not None:
+                graph.replay()
+                self.replays += 1
+            else:
+                self._forward(*shape)
+        self._flight = (rows, width, others)
+
+    def _advance(self, width: int) -> None:
+        """Each active row takes its chosen token: into its ids, its length, its next input."""
         active, length = self.active[:width], self.length[:width]
         column = length.clamp(max=self.columns - 1)[:, None]
         ids = self.ids[:width]
         ids.scatter_(1, column, torch.where(active, self.choice[:width], ids.gather(1, column)[:, 0])[:, None])
         length += active
         self.tokens[:width, 0] = self.choice[:width]
-        chosen = self.choice[:width].tolist()  # the step's one wait for the GPU
+
+    def _collect(self) -> tuple[list, list]:
+        """Wait for the started step: its finished rows (slots freed) and each streamed row's
+        (streamer, new token), not yet handed over."""
+        rows, width, others = self._flight
+        self._flight = None
+        done = []
+        if others:  # their own processors (and generators) on their own logits
+            own = torch.tensor([row.slot for row in others], device=self.logits.device)
+            logits = self.logits[own].cpu()
+            done += [row for i, row in enumerate(others) if row.choose(logits[i : i + 1])]
+            self.choice[own] = torch.tensor([int(row.ids[0, -1]) for row in others], device=own.device)
+            self._advance(width)
+        chosen = self.choice[:width].cpu().tolist()  # the step's one wait for the device
+        handed = []
         for row in rows:
             if row.plain is None:
                 continue
             token = chosen[row.slot]
             row.tokens.append(token)
             if row.request.streamer is not None:
-                row.request.streamer.put(torch.tensor([token]))
+                handed.append((row.request.streamer, token))
             if token in self.eos or len(row.tokens) >= row.plain["max_length"]:
                 row.ids = torch.tensor([row.tokens])
                 done.append(row)
@@ -381,11 +463,12 @@ class SlotBatch:
             self.active[torch.tensor(slots, device=self.active.device)] = False
             for slot in slots:
                 self.slots[slot] = None
-        return done
+        return done, handed
 
-    def _graph(self, key: tuple):
-        """The step's graph for this shape (``_forward``'s arguments), recorded on first use
-        (None: eager, when capture failed or the budget is spent)."""
+    def _graph(self, key: tuple, body, warm=None):
+        """The graph of ``body`` (a step or a join, ``key`` its arguments), recorded on first use
+        (None: eager, when capture failed or the budget is spent). Before recording, ``warm`` (else
+        ``body``) runs once: it must leave the rows as they were."""
         if key in self._graphs:
             return self._graphs[key]
         if self.cache_bytes + self.graph_bytes >= self.budget_bytes:
@@ -393,16 +476,16 @@ class SlotBatch:
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         try:
-            side = torch.cuda.Stream()  # warm up as torch.cuda.graphs asks (the step rewrites the
-            side.wait_stream(torch.cuda.current_stream())  # same keys/values: it can run twice)
+            side = torch.cuda.Stream()  # warm up as torch.cuda.graphs asks (a body rewrites the
+            side.wait_stream(torch.cuda.current_stream())  # same tensors: it can run twice)
             with torch.cuda.stream(side):
-                self._forward(*key)
+                (warm or body)()
             torch.cuda.current_stream().wait_stream(side)
             # thread_local: a model loading in another thread meanwhile must not void it.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._forward(*key)
+                body()
         except Exception as err:  # some model code cannot be captured: this shape runs eagerly
-            log.warning("CUDA-graph capture of a %d-row step failed (%s: %s)", key[0], type(err).__name__, err)
+            log.warning("CUDA-graph capture of %s failed (%s: %s)", key, type(err).__name__, err)
             graph = None
         self.graph_bytes += max(0, torch.cuda.memory_reserved() - before)
         self._graphs[key] = graph

@@ -347,6 +347,9 @@ class StepBatcher:
     devices = ("cpu", "cuda")
     # Slots (chat.stepgraphs) or growing caches (``_Batch``): None = slots on a GPU only.
     slots: bool | None = None
+    # Slots: start the next step before handing this one's tokens to the streamers (the readers'
+    # Python then runs beside the device's step). None = where steps are replayed CUDA graphs.
+    lookahead: bool | None = None
 
     def takes(self, loaded, kwargs: dict) -> bool:
         """Does the step loop decode this request? Greedy or sampling (int8 layers quantize each
@@ -393,18 +396,22 @@ class StepBatcher:
             batch = _Batch(model)
         self._admit(batch, [first], held)
         while batch.rows:
-            while True:
-                try:
-                    held.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            # Rows of the running model join while nothing of another model waits (which then
-            # gets the next batch: no model starves another).
-            if all(r.loaded.model is batch.model for r in held):
-                joining = list(held)
-                held.clear()
-                self._admit(batch, joining, held)
-            self._step(batch)
+            if isinstance(batch, _Batch):
+                self._gather(batch, held)
+            self._step(batch, held)
+
+    def _gather(self, batch, held: list[Request]) -> None:
+        """Let the requests that arrived meanwhile join the running batch, while nothing of another
+        model waits (which then gets the next batch: no model starves another)."""
+        while True:
+            try:
+                held.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if all(r.loaded.model is batch.model for r in held):
+            joining = list(held)
+            held.clear()
+            self._admit(batch, joining, held)
 
     def _admit(self, batch, requests: list[Request], held: list[Request]) -> None:
         room = (self.max_batch if isinstance(batch, _Batch) else batch.capacity) - len(batch.rows)
@@ -425,13 +432,18 @@ class StepBatcher:
                 for request in joining:
                     _fail(request, err)
 
-    def _step(self, batch: _Batch) -> None:
+    def _step(self, batch, held: list[Request]) -> None:
         rows = batch.rows
         try:
-            with batch.serving(), rows_apart(), torch.inference_mode():
-                done = batch.step()
+            with rows_apart(), torch.inference_mode():
+                if isinstance(batch, _Batch):
+                    with batch.serving():
+                        done = batch.step()
+                else:  # joiners are let in between this step's tokens and the next step
+                    ahead = self.lookahead if self.lookahead is not None else batch.graphs_on
+                    done = batch.step(between=lambda: self._gather(batch, held), ahead=ahead)
         except BaseException as err:  # noqa: BLE001 - every row in the step learns about it
-            for row in rows:
+            for row in {id(r): r for r in [*rows, *batch.rows]}.values():  # and any that joined
                 _fail(row.request, err)
             batch.drop()
             return

@@ -132,6 +132,62 @@ class TestInSlots:
     test_text_streamer = staticmethod(test_stepping.test_a_text_streamer_reads_the_steps_as_it_reads_generate)
 
 
+@pytest.fixture
+def ahead(monkeypatch):
+    monkeypatch.setattr(StepBatcher, "slots", True)
+    monkeypatch.setattr(StepBatcher, "lookahead", True)
+
+
+# And with the next step started before each step's tokens are handed out (a GPU's default, where
+# steps are replayed graphs; the same order of work on the CPU, minus the overlap).
+@pytest.mark.usefixtures("ahead")
+class TestInSlotsAhead(TestInSlots):
+    pass
+
+
+def _run_with_joins(demo, requests, ahead: bool):  # noqa: F811
+    """Step a SlotBatch by hand, letting requests 1, 3 and 2 join at steps 2, 4 and 9: each reply,
+    each stream's ids, and at each put (a step was started, a sampling row was running)."""
+    batch = SlotBatch(demo.model, 4, graphs=False)
+    puts = []
+
+    class Recorder(test_stepping.Tokens):
+        def put(self, value):
+            puts.append((batch._flight is not None, any(row.plain is None for row in batch.rows)))
+            super().put(value)
+
+    streamers = [Recorder() for _ in requests]
+    submitted = [Request(demo, *r, s) for r, s in zip(requests, streamers)]
+    joins = {0: [submitted[0]], 2: [submitted[1]], 4: [submitted[3]], 9: [submitted[2]]}
+    out, step = {}, 0
+    with torch.inference_mode():
+        batch.join_all(joins.pop(0))
+        while batch.rows:
+            step += 1
+            for row in batch.step(between=lambda k=step: batch.join_all(joins.pop(k, [])), ahead=ahead):
+                out[next(i for i, r in enumerate(submitted) if r is row.request)] = row.ids[0].tolist()
+    assert not joins and batch._flight is None
+    return [out[i] for i in range(len(requests))], [s.ids for s in streamers], puts
+
+
+def test_the_next_step_starts_before_the_tokens_are_handed_out(demo, static):  # noqa: F811
+    """``step(ahead=True)``: joiners are let in once a step's tokens are known, the next step is
+    started, then the tokens reach the streamers; while a row samples (its token chosen on the host)
+    steps go one at a time. Each reply is generate()'s alone either way."""
+    engine = ChatEngine(demo, "test", batcher=static)
+    requests = [inputs(engine, i) for i in range(4)]  # 0-2 greedy, 3 samples
+    expected = [test_stepping.alone(static, demo, *r) for r in requests]
+    for ahead in (True, False):
+        replies, streamed, puts = _run_with_joins(demo, requests, ahead)
+        assert replies == expected and streamed == expected
+        assert not any(started for started, sampling in puts if sampling)
+        if ahead:  # all greedy: every put but each row's start token and the very last behind the next step
+            late = [started for started, sampling in puts if not sampling]
+            assert late.count(False) <= len(requests) + 1 and late.count(True) > 10
+        else:
+            assert not any(started for started, _ in puts)
+
+
 def test_a_slot_holds_the_decoders_positions_and_no_more(demo, slots):  # noqa: F811
     stepper = StepBatcher()
     assert stepper.takes(demo, FAST.generate_kwargs())
@@ -158,8 +214,8 @@ def test_slots_are_reused_and_kept_between_bursts(demo, static):  # noqa: F811
 
 def test_the_recorded_step_reads_no_tensor_data_on_the_host(demo, static):  # noqa: F811
     """What a CUDA graph records must not turn a tensor into a Python value (``.item()``, a shape
-    from data, ``if tensor``): under fake tensors that raises. The slots' step body runs that way here
-    on the CPU, with every tensor it reads fake."""
+    from data, ``if tensor``): under fake tensors that raises. The slots' step and join bodies run
+    that way here on the CPU, with every tensor they read fake."""
     engine = ChatEngine(demo, "test", batcher=static)
     batch = SlotBatch(demo.model, 4, graphs=False)
     with torch.inference_mode():
@@ -171,7 +227,8 @@ def test_the_recorded_step_reads_no_tensor_data_on_the_host(demo, static):  # no
             elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
                 setattr(batch, name, [fake.from_tensor(t) for t in value])
         with fake:
-            batch._forward(4, (3,), 16, 32)
+            batch._forward(4, (3,), 16, 32, True)  # a step, the rows advanced
+            batch._join_body(4, 32)  # a join: the encoder, the slots set up
             assert batch.choice.shape == (4,)
             with pytest.raises(DataDependentOutputException):  # the check can fail: a host read
                 batch.length.max().item()
