@@ -29,18 +29,24 @@ from chat.model import ModelLoadError
 from chat.stepping import StepBatcher
 
 
+SCHEDULERS = ("static", "step", "step-serial", "step-eager")
+
+
 def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
     """``static``: generate() per batch; ``step``: the step loop (on a GPU in slots, steps replayed
-    from CUDA graphs); ``step-eager``: the step loop without graphs."""
+    from CUDA graphs, the next started before a step's tokens are handed out); ``step-serial``: the
+    same, one step at a time; ``step-eager``: the step loop without graphs."""
     if scheduler == "static":
         return Batcher(max_batch=max_batch)
-    if scheduler not in ("step", "step-eager"):
-        raise SystemExit(f"unknown scheduler {scheduler!r}: static, step or step-eager")
+    if scheduler not in SCHEDULERS:
+        raise SystemExit(f"unknown scheduler {scheduler!r}: {', '.join(SCHEDULERS)}")
     # What the step loop does not take (beam search; on a GPU adapters' rows) goes to a static
     # batcher with the same bound on rows.
     stepper = StepBatcher(max_batch=max_batch, fallback=Batcher(max_batch=max_batch))
     if scheduler == "step-eager":
         stepper.cuda_graphs = "off"
+    if scheduler == "step-serial":
+        stepper.lookahead = False
     return stepper
 
 
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, help="torch's CPU threads")
     parser.add_argument("--no_stream", action="store_true", help="whole replies, not streamed (no text per token)")
+    parser.add_argument("--stream_interval", type=float, help="s between a stream's texts (default: the engine's)")
+    parser.add_argument("--tf32", action="store_true", help="fp32 products on a GPU's TF32 tensor cores")
     parser.add_argument("--switch_interval", type=float, help="Python's thread switch interval (s; Python: 0.005)")
     parser.add_argument("--adapters", type=int, default=0, help="spread the chats over this many LoRA adapters")
     parser.add_argument("--adapter_r", type=int, default=8)
@@ -84,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     quiet_transformers()
+    if args.tf32:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
     spec = args.model
     try:
         loaded = load_apart(spec, optimize=args.optimize)
@@ -94,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # One engine (and so one set of attached adapters); each round runs on one scheduler's batcher.
     batchers = {s: make_batcher(s, args.max_batch) for s in schedulers}
     engine = ChatEngine(loaded, f"bench {spec}", batcher=batchers[schedulers[0]])
+    engine.stream_interval = args.stream_interval
     settings = replace(GENERATION_PRESETS["fast"], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens)
     chats = prompt_set(args.prompts)
     with tempfile.TemporaryDirectory() as root:
@@ -114,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()
     header = (
-        f"{spec} ({args.optimize}{f', {args.adapters} LoRA adapters' if args.adapters else ''}), "
-        f"{args.reply_tokens}-token fast replies{' (not streamed)' if args.no_stream else ''}, "
+        f"{spec} ({args.optimize}{', TF32' if args.tf32 else ''}"
+        f"{f', {args.adapters} LoRA adapters' if args.adapters else ''}), "
+        f"{args.reply_tokens}-token fast replies{' (not streamed)' if args.no_stream else ''}"
+        f"{'' if args.stream_interval is None else f' (streamed every {args.stream_interval} s)'}, "
         f"max batch {args.max_batch}, "
         f"{hardware}, torch {env['torch']}, {env['date']}"
     )
