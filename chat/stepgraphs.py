@@ -27,8 +27,15 @@ half the static batcher's replies/s). Here instead:
   ``chat.fastgen.NoRepeatNGram``, on each row's own ids and length). Any other row (sampling with
   its own generator, encoder n-gram blocking, custom processors) goes through its own processors
   on its own logits, as in ``chat.stepping``.
-* Joining requests are encoded together (right-padded to the longest, masked), and their
-  cross-attention keys/values written into their slots.
+* **Joins recorded too.** Joining requests are encoded together (right-padded, masked), their
+  cross-attention keys/values written into their slots and the slots set up, as one recorded launch
+  per (joiners rounded up to a power of two, longest source rounded up to 32), from two transfers.
+* **Few torch calls in the worker.** Every torch call lets the chats' threads take the GIL, and
+  under load the worker then waits for it back (a millisecond or more with 64 busy threads; pure
+  Python does not give it up): a greedy step is one replay and one read of the chosen tokens, a
+  join one replay, the tokens reach ``chat.batching.ReaderTextStreamer`` as ints. And the next step
+  is started before a step's tokens are handed out (``step(ahead=True)``), so that Python runs beside
+  the device's step.
 
 A row's reply is the one ``generate()`` gives it alone, up to float rounding (the CPU tests check
 greedy replies token for token on the demo model; on a GPU batched products round differently).
@@ -217,6 +224,7 @@ class SlotBatch:
         self.cache_bytes = per_row * c
         self.replays = 0
         self.joins_replayed = 0
+        self._plain: dict = {}  # _plain_settings' answers
         self._flight = None  # the step started and not yet collected: (rows, width, rows choosing on the host)
 
     @property
@@ -244,13 +252,23 @@ class SlotBatch:
             row = _Row(request, model, start)
             if row.source > self.sources:
                 raise ValueError(f"a source of {row.source} tokens is over the encoder's {self.sources} positions")
-            row.slot, row.plain, row.tokens = slot, plain_settings(row, self.eos), [start]
+            row.slot, row.plain, row.tokens = slot, self._plain_settings(row), [start]
             groups.setdefault(id(request.loaded), []).append(row)
         for rows in groups.values():
             self._join(rows)
         for rows in groups.values():
             for row in rows:
                 self.slots[row.slot] = row
+
+    def _plain_settings(self, row) -> dict | None:
+        """``plain_settings`` of the row, once per set of processors (rows of the same settings
+        share theirs: ``chat.stepping._settings``)."""
+        key = (id(row.processors), id(row.stop), row.sample)
+        if key not in self._plain:
+            if len(self._plain) >= 64:
+                self._plain.clear()
+            self._plain[key] = (row.processors, row.stop, plain_settings(row, self.eos))  # (kept: ids stay theirs)
+        return self._plain[key][2]
 
     def _join(self, rows: list) -> None:
         """Copy the rows' sources and settings to the device (two transfers) and run ``_join_body``

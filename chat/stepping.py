@@ -22,10 +22,10 @@ the demo model in fp32, joining mid-flight included). Beam search (``faithful``)
 this loop does not do go to the static batcher. Rows of different LoRA adapters of one base share a
 step (``chat.lora.rows_of``): each row gets its own low-rank update.
 
-On a GPU the rows live in fixed-address slots and each step is replayed from a CUDA graph
-(``chat.stepgraphs.SlotBatch``: the same ``step``, requests join several at a time); there adapters'
-requests go to the static batcher, whose recorded steps (``chat.graphs``) serve them faster than
-eager mixed steps.
+On a GPU the rows live in fixed-address slots and each step and each join is replayed from a CUDA
+graph (``chat.stepgraphs.SlotBatch``: the same ``step``, requests join several at a time, and the next
+step starts before a step's tokens are handed out); there adapters' requests go to the static
+batcher, whose recorded steps (``chat.graphs``) serve them faster than eager mixed steps.
 
 Private transformers helpers used (pinned by these tests): ``_prepare_generation_config``,
 ``_prepare_special_tokens``, ``_prepare_generated_length``, ``_get_logits_processor``,
@@ -146,8 +146,11 @@ class _Row:
         self.ids = torch.tensor([[start_id]])
         self.length = 0  # self-attention columns this row has
         self.source = int(request.encoded["attention_mask"].sum())
-        if request.streamer is not None:
-            request.streamer.put(self.ids[0].clone())
+        streamer = request.streamer
+        if streamer is not None and hasattr(streamer, "put_ids"):  # ReaderTextStreamer: no torch call
+            streamer.put_ids([start_id])
+        elif streamer is not None:
+            streamer.put(self.ids[0].clone())
 
     def choose(self, logits: torch.Tensor) -> bool:
         """Take the next token from this row's logits (1, vocab); True when the row is done."""
