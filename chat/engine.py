@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from chat.batching import Batcher, ReaderTextStreamer
+from chat.batching import STREAM_INTERVAL, Batcher, ReaderTextStreamer
 from chat.layout import DEFAULT_MODEL, DEMO_DIR
 from chat.loading import (  # loading lives there; BASE_PREFIX, load_checkpoint, place stay importable from here
     BASE_PREFIX,  # noqa: F401
@@ -162,13 +162,6 @@ def clean_text(text: str | None, limit: int, what: str) -> str:
     return text
 
 
-# How often a streamed reply's new text reaches its reader, by device (s; the first token at once). On
-# a GPU a step of 64 rows takes a few milliseconds, and waking each chat's reader after every step
-# (a thread switch and a decode each, under the GIL) cost more than the step: every 30 ms (33 updates
-# a second, smooth to the eye) instead. A CPU's step takes longer than that anyway: every token.
-STREAM_INTERVAL = {"cuda": 0.03}
-
-
 class NotOnBase(CheckpointError):
     """A model that would need another base model than the one the engine serves."""
 
@@ -183,9 +176,7 @@ class ChatEngine:
         # Every generate() goes through the batcher's worker thread, which also serialises
         # CPU work so concurrent sessions don't fight over the cores.
         self._batcher = batcher or make_batcher()
-        # Streamed text reaches a reader at most this often (s; the first token at once); None: by
-        # the model's device (STREAM_INTERVAL).
-        self.stream_interval: float | None = None
+        self.stream_interval: float | None = None  # s between a stream's texts; None: STREAM_INTERVAL
 
     @classmethod
     def start(cls, spec: str | None = None) -> ChatEngine:
@@ -450,12 +441,9 @@ class ChatEngine:
                 outputs.append(out)
             yield self._clean_reply(loaded.tokenizer.decode(out[0], skip_special_tokens=True)), budget
             return
-        interval = self.stream_interval
-        if interval is None:
-            interval = STREAM_INTERVAL.get(loaded.model.device.type, 0.0)
-        streamer = ReaderTextStreamer(
-            loaded.tokenizer, interval, skip_prompt=False, skip_special_tokens=True, timeout=300
-        )
+        every = self.stream_interval
+        every = STREAM_INTERVAL.get(loaded.model.device.type, 0.0) if every is None else every
+        streamer = ReaderTextStreamer(loaded.tokenizer, every, skip_prompt=False, skip_special_tokens=True, timeout=300)
         future = self._batcher.submit(loaded, encoded, kwargs, streamer)
         text = ""
         for piece in streamer:

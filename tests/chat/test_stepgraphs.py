@@ -24,7 +24,8 @@ from transformers import (
 from chat.batching import Batcher, Request
 from chat.engine import DEMO_DIR, ChatEngine, load_checkpoint
 from chat.fastgen import EncoderNoRepeatNGram, NoRepeatNGram
-from chat.stepgraphs import SlotBatch, choose_greedy, plain_settings
+from chat.greedy import choose_greedy, plain_settings
+from chat.stepgraphs import SlotBatch
 from chat.stepping import StepBatcher, _Row
 
 EOS = 2
