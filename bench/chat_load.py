@@ -28,7 +28,6 @@ from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.model import ModelLoadError
 from chat.stepping import StepBatcher
 
-
 SCHEDULERS = ("static", "step", "step-serial", "step-eager")
 
 

@@ -1,9 +1,10 @@
-"""bench.chat_load and bench.chat_serve end to end, small, on the demo model: both schedulers (and
-LoRA adapters spread over the chats) in one run; the engine alone against the running app."""
+"""bench.chat_load, bench.chat_serve and bench.gil_wait end to end, small, on the demo model: the
+schedulers (and LoRA adapters spread over the chats) in one run; the engine alone against the
+running app; a torch call beside busy threads."""
 
 import json
 
-from bench import chat_load, chat_serve
+from bench import chat_load, chat_serve, gil_wait
 from chat.engine import DEMO_DIR
 
 
@@ -28,3 +29,20 @@ def test_serve_smoke_engine_and_app(tmp_path, capsys):
     assert [r["path"] for r in results] == ["engine alone", "/chat (gradio_client)", "/v1 (openai)"]
     assert all(r["replies_per_s"] > 0 and r["clients"] == 2 and r["p50"] > 0 for r in results)
     assert "engine alone" in capsys.readouterr().out
+
+
+def test_load_smoke_serial_steps_and_a_stream_interval(tmp_path):
+    out = tmp_path / "load.json"
+    argv = ["--model", str(DEMO_DIR), "--schedulers", "step-serial,step", "--concurrency", "2", "--replies", "2"]
+    assert chat_load.main([*argv, "--reply_tokens", "5", "--stream_interval", "0.05", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["scheduler"] for r in data["results"]] == ["step-serial", "step"]
+    assert data["results"][0]["texts"] == data["results"][1]["texts"] and "every 0.05 s" in data["header"]
+
+
+def test_gil_wait_smoke(tmp_path):
+    out = tmp_path / "gil.json"
+    assert gil_wait.main(["--threads", "0,2", "--calls", "50", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["threads"] for r in results] == [0, 2]
+    assert all(r["torch_op_us"] > 0 and r["python_us"] > 0 for r in results)
