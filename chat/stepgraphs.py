@@ -179,8 +179,12 @@ class SlotBatch:
                 raise ValueError(f"a source of {row.source} tokens is over the encoder's {self.sources} positions")
             row.slot, row.plain, row.tokens = slot, self._plain_settings(row), [start]
             groups.setdefault(id(request.loaded), []).append(row)
-        for rows in groups.values():
-            self._join(rows)
+        try:
+            for rows in groups.values():
+                self._join(rows)
+        except BaseException:  # slots a join set up stay free: none may step (its length would grow)
+            self.active[[row.slot for rows in groups.values() for row in rows]] = False
+            raise
         for rows in groups.values():
             for row in rows:
                 self.slots[row.slot] = row

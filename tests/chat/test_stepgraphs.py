@@ -5,6 +5,7 @@ steps replay and give the eager steps' tokens."""
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import replace
 
@@ -187,6 +188,35 @@ def test_the_next_step_starts_before_the_tokens_are_handed_out(demo, static):  #
             assert late.count(False) <= len(requests) + 1 and late.count(True) > 10
         else:
             assert not any(started for started, _ in puts)
+
+
+def test_a_failed_join_leaves_its_slots_free(demo, static, monkeypatch):  # noqa: F811
+    """Requests of two models (here two handles of one) join in two groups; the second group's join
+    fails: no slot is taken or left active (an active free slot would step on), and the next join
+    and its replies are as if nothing happened."""
+    engine = ChatEngine(demo, "test", batcher=static)
+    requests = [inputs(engine, i) for i in range(3)]
+    batch = SlotBatch(demo.model, 4, graphs=False)
+    body, calls = SlotBatch._join_body, []
+
+    def second_fails(self, n, width):
+        calls.append(n)
+        if len(calls) == 2:
+            raise RuntimeError("no memory for this join")
+        return body(self, n, width)
+
+    monkeypatch.setattr(SlotBatch, "_join_body", second_fails)
+    other = copy.copy(demo)  # another handle: its requests encode as a group of their own
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="no memory"):
+        batch.join_all([Request(demo, *requests[0]), Request(other, *requests[1])])
+    assert calls == [1, 1] and not batch.rows and not batch.active.any()
+    with torch.inference_mode():
+        joined = [Request(demo, *r) for r in requests]
+        batch.join_all(joined)
+        out = {}
+        while batch.rows:
+            out.update({id(row.request): row.ids[0].tolist() for row in batch.step()})
+    assert [out[id(r)] for r in joined] == [test_stepping.alone(static, demo, *r) for r in requests]
 
 
 def test_a_slot_holds_the_decoders_positions_and_no_more(demo, slots):  # noqa: F811
