@@ -86,12 +86,12 @@ class ReaderTextStreamer(TextIteratorStreamer):
 
     ``put`` only keeps the ids: the decoder's worker thread serves every row of a step, so the
     tokenizer calls it would make for each of 64 rows (a decode of the reply so far, per token) hold up
-    all of them; the reader, one thread per chat, does them instead, beside the next step, and reads
-    every id that arrived since its last read in one decode. With ``interval`` > 0 the reader is woken
-    for the first token at once, then at most every ``interval`` s and at the end: on a GPU a 64-row
-    step takes a few milliseconds, and waking 64 readers after each (a thread switch and a decode
-    per token, all under the GIL) cost more than the step (docs/chat-benchmarks.md). The text is the
-    same; only its pieces may be longer (``TextIteratorStreamer``'s own ``put``/``end`` cut them)."""
+    all of them; the reader, one thread per chat, does them instead, beside the next step. With
+    ``interval`` > 0 the reader is woken for the first token at once, then at most every ``interval``
+    s and at the end, and reads every id that arrived since its last read in one decode: on a GPU a
+    64-row step takes a few milliseconds, and waking 64 readers after each (a thread switch and a
+    decode per token, all under the GIL) cost more than the step (docs/chat-benchmarks.md). The text is
+    the same; only its pieces are longer. With 0 (a CPU's) the pieces are ``TextIteratorStreamer``'s."""
 
     def __init__(self, tokenizer, interval: float = 0.0, **kwargs):
         if kwargs.get("skip_prompt"):  # ids are read in runs: where a prompt ended is not kept
@@ -133,8 +133,11 @@ class ReaderTextStreamer(TextIteratorStreamer):
                 if not self._ready.wait_for(lambda: self._ids or self._ended, timeout=self.timeout):
                     raise queue.Empty  # as TextIteratorStreamer's own wait does
                 ids, self._ids, ended = self._ids, [], self._ended
-            if ids:
+            if ids and self.interval:  # all that arrived, in one decode
                 super().put(torch.tensor(ids))
+            else:  # each id as TextIteratorStreamer takes it (its pieces, even for a reader behind)
+                for token in ids:
+                    super().put(torch.tensor([token]))
             if ended:
                 super().end()  # the rest of the text, then the stop signal
         return super().__next__()

@@ -88,15 +88,17 @@ def test_replies_of_one_bucket_share_graphs_and_match_plain_generate(tiny_path):
 
 
 def test_the_reader_side_streamer_gives_text_iterator_streamers_text(tiny_tokenizer):
-    """ReaderTextStreamer decodes in the reading thread: after the puts nothing is decoded yet; read
-    token by token its pieces are exactly TextIteratorStreamer's for the same ids (spaces, a new line,
-    a word split over tokens, a piece of punctuation held back until the next space), and ids that
-    arrived together are read in one decode (longer pieces, the same text)."""
+    """ReaderTextStreamer decodes in the reading thread: after the puts nothing is decoded yet; its
+    pieces are exactly TextIteratorStreamer's for the same ids (spaces, a new line, a word split over
+    tokens, a piece of punctuation held back until the next space), whether the reader keeps up or
+    reads them all at once; with an interval, ids that arrived together are read in one decode
+    (longer pieces, the same text)."""
     text = "hello there, how are you?\nfine. unbelievably good! 12 dogs and 3.5 cats."
     ids = [1, *tiny_tokenizer(text, add_special_tokens=False)["input_ids"], 2]
 
-    def read(kind, together: bool) -> list[str]:
-        streamer = kind(tiny_tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=5)
+    def read(kind, together: bool, interval: float = 0.0) -> list[str]:
+        extra = {"interval": interval} if interval else {}
+        streamer = kind(tiny_tokenizer, skip_prompt=False, skip_special_tokens=True, timeout=5, **extra)
         pieces: list[str] = []
         reader = threading.Thread(target=lambda: pieces.extend(streamer))
         if not together:  # a reader keeping up: it has taken each id before the next is put
@@ -116,8 +118,9 @@ def test_the_reader_side_streamer_gives_text_iterator_streamers_text(tiny_tokeni
     expected = read(TextIteratorStreamer, together=False)
     assert len(expected) > 5 and "".join(expected).strip().startswith("hello")
     assert read(ReaderTextStreamer, together=False) == expected
-    assert "".join(read(ReaderTextStreamer, together=True)) == "".join(expected)
-    assert len(read(ReaderTextStreamer, together=True)) == 2  # one decode to the last space; the end's rest
+    assert read(ReaderTextStreamer, together=True) == expected
+    joined = read(ReaderTextStreamer, together=True, interval=3600)
+    assert "".join(joined) == "".join(expected) and len(joined) == 2  # one decode to the last space; the rest
 
 
 def test_the_reader_side_streamer_wakes_its_reader_at_most_every_interval(tiny_tokenizer):
