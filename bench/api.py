@@ -17,6 +17,7 @@ stdout as a markdown table and, with ``--out``, to a JSON file.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -78,6 +79,24 @@ def chat_stream(client, conv, message: str, preset: str, settings: dict):
     job = client.submit(message, conv.kind, conv.context, preset, list(conv.turns), settings, api_name="/chat")
     for reply, _ in job:  # the reply so far, as gradio streams it (with the id of the model writing it)
         yield reply
+
+
+def chat_http_stream(session, url: str, conv, message: str, preset: str, settings: dict):
+    """``chat_stream`` over gradio's own HTTP API with a plain HTTP client (``httpx``): POST the call,
+    then read its server-sent events. What the server costs, without gradio_client's own work."""
+    data = [message, conv.kind, conv.context, preset, list(conv.turns), settings, conv.model or ""]
+    event = session.post(f"{url}gradio_api/call/chat", json={"data": data}).raise_for_status().json()["event_id"]
+    with session.stream("GET", f"{url}gradio_api/call/chat/{event}") as reply:
+        kind = None
+        for line in reply.iter_lines():
+            if line.startswith("event:"):
+                kind = line.removeprefix("event:").strip()
+            elif line.startswith("data:") and kind == "error":
+                raise RuntimeError(f"/chat failed: {line.removeprefix('data:').strip()}")
+            elif line.startswith("data:") and kind in ("generating", "complete"):
+                out = json.loads(line.removeprefix("data:"))
+                if out:
+                    yield out[0]  # the reply so far (then the id of the model writing it)
 
 
 def polled(stream):

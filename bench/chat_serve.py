@@ -3,10 +3,12 @@
 Starts the app as its users do (``python app.py``, ``--model`` as its CHAT_MODEL; offline the
 bundled demo model) or uses one already running (``--url``), and for each concurrency N drives it
 with N clients at once, each sending its next message when its last reply ended (closed loop): on
-gradio's ``/chat`` endpoint (gradio_client, streamed) and on the OpenAI-compatible
+gradio's ``/chat`` endpoint (gradio_client, streamed; and with a plain HTTP client on gradio's
+HTTP API, which tells the server's cost from gradio_client's) and on the OpenAI-compatible
 ``/v1/chat/completions`` (the official openai client, ``stream=True``), against the same chats on
 the engine alone in this process (same model, same default scheduler) in the same run. For each:
-replies/s, reply latency p50/p95 and time to the first text p50.
+replies/s, reply latency p50/p95, time to the first text p50, and the CPU time per reply of the
+app's process (its server and engine) and of this one (the clients; for the engine alone, its engine).
 
 The API gives one client address a bounded share of its capacity (``api.access``), so the app is
 started as if behind a proxy (``PERSONA_CHAT_BEHIND_PROXY=1``) and each API client names its own
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from dataclasses import replace
 
-from bench.api import api_stream, chat_stream, running_app
+from bench.api import api_stream, chat_http_stream, chat_stream, running_app
 from bench.chat import prompt_set
 from bench.common import closed_loop, command_line, cpu_name, md_table, quiet_transformers, versions, write_json
 from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
@@ -28,10 +31,12 @@ from chat.layout import DEMO_DIR
 
 def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int) -> dict:
     """name -> (k -> client k's stream function)."""
+    import httpx
     import openai
     from gradio_client import Client
 
     settings = replace(GENERATION_PRESETS[preset], max_new_tokens=max_tokens)
+    asked = {"max_new_tokens": max_tokens}  # /chat's and the API's settings
     model = openai.OpenAI(base_url=url + "v1", api_key="unused").models.list().data[0].id
 
     def engine_client(k: int):
@@ -39,15 +44,24 @@ def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int) -> dict:
 
     def chat_client(k: int):
         client = Client(url, verbose=False)
-        return lambda conv, message: chat_stream(client, conv, message, preset, {"max_new_tokens": max_tokens})
+        return lambda conv, message: chat_stream(client, conv, message, preset, asked)
+
+    def chat_http_client(k: int):
+        session = httpx.Client(timeout=600)
+        return lambda conv, message: chat_http_stream(session, url, conv, message, preset, asked)
 
     def api_client(k: int):
         key = os.environ.get("PERSONA_CHAT_API_KEY", "unused")
         headers = {"X-Forwarded-For": f"10.0.{k // 250}.{k % 250 + 1}"}  # client k, as a proxy names it
         client = openai.OpenAI(base_url=url + "v1", api_key=key, default_headers=headers)
-        return lambda conv, message: api_stream(client, model, conv, message, preset, {"max_new_tokens": max_tokens})
+        return lambda conv, message: api_stream(client, model, conv, message, preset, asked)
 
-    return {"engine alone": engine_client, "/chat (gradio_client)": chat_client, "/v1 (openai)": api_client}
+    return {
+        "engine alone": engine_client,
+        "/chat (gradio_client)": chat_client,
+        "/chat (HTTP, httpx)": chat_http_client,
+        "/v1 (openai)": api_client,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,14 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.optimize:
         os.environ["CHAT_OPTIMIZE"] = args.optimize  # the app's engine as this one
     results = []
-    with running_app(spec) if not args.url else _given(args.url) as (url, _log, _pid):
+    with running_app(spec) if not args.url else _given(args.url) as (url, _log, pid):
         ways = paths(url, engine, args.preset, args.max_tokens)
         for make in ways.values():  # warm up every path
             closed_loop(make, chats, 2, 2)
         for clients in [int(c) for c in args.concurrency.split(",")]:
             for name, make in ways.items():
-                round_ = closed_loop(make, chats, clients, max(args.replies, clients))
-                results.append({"path": name, **round_})
+                replies = max(args.replies, clients)
+                app_cpu, own_cpu = cpu_seconds(pid), time.process_time()
+                round_ = closed_loop(make, chats, clients, replies)
+                app_cpu = None if pid is None else (cpu_seconds(pid) - app_cpu) / replies
+                own_cpu = (time.process_time() - own_cpu) / replies
+                results.append({"path": name, **round_, "app_cpu_per_reply": app_cpu, "bench_cpu_per_reply": own_cpu})
     env = versions("gradio", "openai")
     header = (
         f"{engine.current.id}, preset {args.preset}, up to {args.max_tokens} tokens, "
@@ -94,13 +112,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['p50']:.3f} s",
                 f"{r['p95']:.3f} s",
                 f"{r['first_text_p50']:.3f} s",
+                "" if r["app_cpu_per_reply"] is None else f"{r['app_cpu_per_reply'] * 1e3:.1f} ms",
+                f"{r['bench_cpu_per_reply'] * 1e3:.1f} ms",
             ]
         )
     print(header)
-    print("\n".join(md_table(["path", "clients", "replies/s (vs engine)", "p50", "p95", "first text p50"], rows)))
+    columns = ["path", "clients", "replies/s (vs engine)", "p50", "p95", "first text p50", "app CPU/reply"]
+    print("\n".join(md_table([*columns, "bench CPU/reply"], rows)))
     if args.out:
         write_json(args.out, {"header": header, "command": command_line("bench.chat_serve", argv), "results": results})
     return 0
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (0 for None: an app not ours)."""
+    import psutil
+
+    if pid is None:
+        return 0.0
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 class _given:

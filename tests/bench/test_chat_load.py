@@ -26,8 +26,14 @@ def test_serve_smoke_engine_and_app(tmp_path, capsys):
     argv = ["--concurrency", "2", "--replies", "2", "--max_tokens", "6", "--prompts", "2", "--out", str(out)]
     assert chat_serve.main(argv) == 0
     results = json.loads(out.read_text())["results"]
-    assert [r["path"] for r in results] == ["engine alone", "/chat (gradio_client)", "/v1 (openai)"]
+    paths = ["engine alone", "/chat (gradio_client)", "/chat (HTTP, httpx)", "/v1 (openai)"]
+    assert [r["path"] for r in results] == paths
+    assert all(r["texts"] == results[0]["texts"] and all(r["texts"]) for r in results)  # the same replies
     assert all(r["replies_per_s"] > 0 and r["clients"] == 2 and r["p50"] > 0 for r in results)
+    # The app's process works for the replies through it, not for the engine alone's.
+    cpu = {r["path"]: (r["app_cpu_per_reply"], r["bench_cpu_per_reply"]) for r in results}
+    assert cpu["/v1 (openai)"][0] > 0 and cpu["/chat (gradio_client)"][0] > 0 and cpu["engine alone"][1] > 0
+    assert cpu["engine alone"][0] < cpu["/v1 (openai)"][0]
     assert "engine alone" in capsys.readouterr().out
 
 
