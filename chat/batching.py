@@ -110,8 +110,7 @@ class ReaderTextStreamer(TextIteratorStreamer):
         self.put_ids(value.reshape(-1).tolist())
 
     def put_ids(self, ids: list[int]) -> None:
-        """``put`` for ids as ints (the step loop's worker: no torch call per row, each of which
-        would let the readers take the GIL from it)."""
+        """``put`` for ids as ints (``hand_ids``)."""
         with self._ready:
             self._ids += ids
             self._puts += 1
@@ -141,6 +140,16 @@ class ReaderTextStreamer(TextIteratorStreamer):
             if ended:
                 super().end()  # the rest of the text, then the stop signal
         return super().__next__()
+
+
+def hand_ids(streamer: BaseStreamer, ids: list[int]) -> None:
+    """Give a row's new ``ids`` to its streamer: as ints where it takes them (``ReaderTextStreamer``:
+    the step loop's worker then makes no torch call per row, each of which would let the readers take
+    the GIL from it), else as the tensor transformers' streamers take."""
+    if hasattr(streamer, "put_ids"):
+        streamer.put_ids(ids)
+    else:
+        streamer.put(torch.tensor(ids))
 
 
 # CUDA-graph decoding pads sources up to a multiple of this many tokens. ``chat.graphs`` records

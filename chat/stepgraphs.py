@@ -53,7 +53,7 @@ import weakref
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from chat.batching import Request
+from chat.batching import Request, hand_ids
 from chat.greedy import UNPROCESSED, choose_greedy, plain_settings
 
 log = logging.getLogger(__name__)
@@ -342,10 +342,7 @@ class SlotBatch:
         if ahead and self.rows and all(row.plain and row.request.loaded.adapter is None for row in self.rows):
             self._launch()
         for streamer, token in handed:
-            if hasattr(streamer, "put_ids"):  # ReaderTextStreamer takes ints: no torch call per row
-                streamer.put_ids([token])
-            else:
-                streamer.put(torch.tensor([token]))
+            hand_ids(streamer, [token])
         return done
 
     def _launch(self) -> None:

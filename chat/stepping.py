@@ -56,7 +56,7 @@ from transformers import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from chat import stepgraphs
-from chat.batching import Batcher, Request
+from chat.batching import Batcher, Request, hand_ids
 from chat.fastgen import NoRepeatNGram, fast_kwargs
 from chat.optimize import rows_apart
 
@@ -146,11 +146,8 @@ class _Row:
         self.ids = torch.tensor([[start_id]])
         self.length = 0  # self-attention columns this row has
         self.source = int(request.encoded["attention_mask"].sum())
-        streamer = request.streamer
-        if streamer is not None and hasattr(streamer, "put_ids"):  # ReaderTextStreamer: no torch call
-            streamer.put_ids([start_id])
-        elif streamer is not None:
-            streamer.put(self.ids[0].clone())
+        if request.streamer is not None:
+            hand_ids(request.streamer, [start_id])
 
     def choose(self, logits: torch.Tensor) -> bool:
         """Take the next token from this row's logits (1, vocab); True when the row is done."""
