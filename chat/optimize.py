@@ -148,17 +148,20 @@ class Int8Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 (dynamic)"
 
 
-# Inside ``rows_apart``: int8 layers quantize each row's activations on their own (chat.stepping).
+# Inside ``rows_apart``: int8 layers quantize each row's (or group of rows') activations on their
+# own (chat.stepping). True: every row apart; a tuple: the sizes of consecutive groups of rows.
 _ROWS_APART = contextvars.ContextVar("int8_rows_apart", default=False)
 
 
 @contextmanager
-def rows_apart():
+def rows_apart(groups: tuple[int, ...] | None = None):
     """Int8 layers called inside quantize every row (first dimension) of their input with its own
     scale and zero point, exactly those the row gets when served alone. (One plain call for the
     whole batch would scale all rows by the largest activation of any: a reply would depend on the
-    requests beside it.) ``int8_call`` says how, in one call of the int8 kernel for all rows."""
-    token = _ROWS_APART.set(True)
+    requests beside it.) ``groups``: sizes of consecutive runs of rows quantized together instead,
+    as one request's beams are when it is served alone (generate() runs its beams as one batch).
+    ``int8_call`` says how, in one call of the int8 kernel for all rows."""
+    token = _ROWS_APART.set(True if groups is None else tuple(groups))
     try:
         yield
     finally:
@@ -171,24 +174,28 @@ QMAX = 127
 SMALL_SCALE = 1e-4  # below this aten changes the min/max it chose (its 6.1e-5 cut-off): rows go one by one
 
 
-def row_qparams(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def row_qparams(
+    x2: torch.Tensor, groups: tuple[int, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Each row's (scale, zero point) as ``torch.ops.quantized.linear_dynamic`` would choose them for
-    that row alone, and the float32 reciprocal of the scale that its quantizing multiplies by, as
-    float32 columns; None where a row needs aten's small-scale special case. (Python floats are
-    IEEE doubles like aten's: a loop over a step's few rows costs microseconds, where the same
-    arithmetic as tensor operations cost tens.)"""
-    low, high = x2.amin(1), x2.amax(1)  # (torch.aminmax is several times slower on a few rows here)
+    that row alone (or for its group of ``groups`` alone), and the float32 reciprocal of the scale
+    that its quantizing multiplies by, as float32 columns; None where a row needs aten's small-scale
+    special case. (Python floats are IEEE doubles like aten's: a loop over a step's few rows costs
+    microseconds, where the same arithmetic as tensor operations cost tens.)"""
+    low, high = x2.amin(1).tolist(), x2.amax(1).tolist()  # (torch.aminmax is several times slower here)
+    sizes = groups or (1,) * len(low)
     columns: list[list[float]] = [[], [], []]
-    for lo, hi in zip(low.tolist(), high.tolist()):
-        lo, hi = min(lo, 0.0), max(hi, 0.0)
+    start = 0
+    for size in sizes:
+        lo, hi = min(0.0, *low[start : start + size]), max(0.0, *high[start : start + size])
+        start += size
         scale = numpy.float32((hi - lo) / QMAX)  # aten keeps the float32 value
         if scale < SMALL_SCALE:
             return None
         from_min, from_max = -lo / float(scale), QMAX - hi / float(scale)
         zero = from_min if -abs(lo / float(scale)) < QMAX - abs(hi / float(scale)) else from_max
-        columns[0].append(scale)
-        columns[1].append(round(min(max(zero, 0.0), QMAX)))  # Python's round: half to even
-        columns[2].append(numpy.float32(1.0) / scale)  # a float32 division, as fbgemm's
+        for column, value in zip(columns, (scale, round(min(max(zero, 0.0), QMAX)), numpy.float32(1.0) / scale)):
+            column += [value] * size  # zero: Python's round, half to even; inverse: a float32 division, as fbgemm's
     scale, zero, inverse = torch.tensor(numpy.array(columns, dtype=numpy.float32))[:, :, None]
     return scale, zero, inverse
 
@@ -212,8 +219,8 @@ def _row_terms(quantized: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
 
 
 def int8_call(quantized: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``quantized(x)`` (torch.ao's dynamic int8 linear); inside ``rows_apart``, each row quantized
-    on its own, still in one call of the kernel.
+    """``quantized(x)`` (torch.ao's dynamic int8 linear); inside ``rows_apart``, each row (or group
+    of rows) quantized on its own, still in one call of the kernel.
 
     Each row goes onto the integer grid it would be quantized to alone (``row_qparams``), one more
     row holding 0 and QMAX makes the kernel's own choice for the batch exactly scale 1, zero point
@@ -221,13 +228,18 @@ def int8_call(quantized: nn.Module, x: torch.Tensor) -> torch.Tensor:
     point's share (weight sums x zero point) taken off. The integers multiplied are those of the
     row alone; the float rescaling differs from the kernel's only in rounding (about 1e-6 of the
     output's size: chat/tests). Rows whose scale needs aten's small-scale case go one call each."""
-    if x.shape[0] == 1 or not _ROWS_APART.get():
+    apart = _ROWS_APART.get()
+    groups = None if apart is True else apart
+    if not apart or x.shape[0] == 1 or (groups is not None and len(groups) == 1):
         return quantized(x)
+    if groups is not None and sum(groups) != x.shape[0]:
+        raise ValueError(f"row groups {groups} do not add up to the input's {x.shape[0]} rows")
     terms = _row_terms(quantized)
     x2 = x.reshape(x.shape[0], -1)
-    qparams = row_qparams(x2) if terms is not None else None
+    qparams = row_qparams(x2, groups) if terms is not None else None
     if qparams is None:
-        return torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])
+        bounds = numpy.cumsum([0, *(groups or (1,) * x.shape[0])]).tolist()
+        return torch.cat([quantized(x[a:b]) for a, b in zip(bounds, bounds[1:])])
     (scale, zero, inverse), (sums, bias) = qparams, terms
     grid = (x2 * inverse).add_(zero).round_().clamp_(0, QMAX).reshape(x.shape)
     pin = grid.new_zeros((1, *x.shape[1:]))

@@ -65,3 +65,19 @@ def test_a_row_of_zeros_takes_one_call_per_row_and_still_replies_as_alone():
     alone = torch.cat([layer(x[i : i + 1]) for i in range(4)])
     with optimize.rows_apart():
         assert torch.equal(optimize.int8_call(layer, x), alone)
+
+
+@pytest.mark.parametrize("groups", [(3, 1, 4), (1, 1, 6), (8,)])
+def test_groups_of_rows_are_quantized_together_as_one_call_each(groups):
+    """A beam-search request's rows share one scale, as in generate() alone; groups beside it their own."""
+    layer = int8_linear(256, 192)
+    x = rows(8, 256, sum(groups) * 7 + len(groups)).view(8, 1, 256)
+    bounds = [0, *torch.tensor(groups).cumsum(0).tolist()]
+    alone = torch.cat([layer(x[a:b]) for a, b in zip(bounds, bounds[1:])])
+    with optimize.rows_apart(groups):
+        together = optimize.int8_call(layer, x)
+    assert (together - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+    with optimize.rows_apart():  # row by row is another answer for the groups of several rows
+        assert (optimize.int8_call(layer, x) - alone).abs().max().item() > 1e-3 * alone.abs().max().item()
+    with optimize.rows_apart((3, 3)), pytest.raises(ValueError, match="do not add up"):
+        optimize.int8_call(layer, x)
