@@ -55,6 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from chat.batching import Request, hand_ids
 from chat.greedy import UNPROCESSED, choose_greedy, plain_settings
+from chat.rows import Row
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,6 @@ class SlotBatch:
     def join_all(self, requests: list[Request]) -> None:
         """Give each request a free slot and set its row up there: the sources of the requests of
         each model (base or adapter) encoded together into their slots' cross-attention keys/values."""
-        from chat.stepping import _Row
-
         model = self.model
         free = [i for i, row in enumerate(self.slots) if row is None]
         if len(requests) > len(free):
@@ -174,7 +173,7 @@ class SlotBatch:
         start = model.generation_config.decoder_start_token_id
         groups: dict[int, list] = {}
         for request, slot in zip(requests, free):
-            row = _Row(request, model, start)
+            row = Row(request, model, start)
             if row.source > self.sources:
                 raise ValueError(f"a source of {row.source} tokens is over the encoder's {self.sources} positions")
             row.slot, row.plain, row.tokens = slot, self._plain_settings(row), [start]
@@ -191,7 +190,7 @@ class SlotBatch:
 
     def _plain_settings(self, row) -> dict | None:
         """``plain_settings`` of the row, once per set of processors (rows of the same settings
-        share theirs: ``chat.stepping._settings``)."""
+        share theirs: ``chat.rows.settings``)."""
         key = (id(row.processors), id(row.stop), row.sample)
         if key not in self._plain:
             if len(self._plain) >= 64:

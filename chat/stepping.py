@@ -6,7 +6,7 @@ moment after a batch started waits for all of it, and only requests with identic
 one. Here one worker thread runs its own decoding loop over the model's parts:
 
 * a joining request's source is encoded alone (as ``generate()`` alone would), and each decoder
-  layer's cross-attention keys/values are projected from it once (``_Rows.join``);
+  layer's cross-attention keys/values are projected from it once (``_Batch.join``);
 * every step runs the decoder's layers once for all rows, each at its own position, over a
   self-attention cache whose rows are right-aligned (a row's history ends at the newest column; a
   younger row's older columns are masked) and a cross-attention cache padded to the longest source;
@@ -18,18 +18,17 @@ one. Here one worker thread runs its own decoding loop over the model's parts:
   whatever else runs beside it).
 
 Greedy replies are those of ``generate()`` alone (tests/chat/test_stepping.py: token for token on
-the demo model in fp32, joining mid-flight included). Beam search (``faithful``) and anything else
-this loop does not do go to the static batcher. Rows of different LoRA adapters of one base share a
-step (``chat.lora.rows_of``): each row gets its own low-rank update.
+the demo model in fp32, joining mid-flight included). A beam-search request (``faithful``) is its
+beams' rows, stepped by transformers' own beam-search helpers (``chat.beams``); beam sampling and
+anything else this loop does not do go to the static batcher. Rows of different LoRA adapters of one
+base share a step (``chat.lora.rows_of``): each row gets its own low-rank update.
 
 On a GPU the rows live in fixed-address slots and each step and each join is replayed from a CUDA
 graph (``chat.stepgraphs.SlotBatch``: the same ``step``, requests join several at a time, and the next
-step starts before a step's tokens are handed out); there adapters' requests go to the static
-batcher, whose recorded steps (``chat.graphs``) serve them faster than eager mixed steps.
+step starts before a step's tokens are handed out); there adapters' and beam-search requests go to
+the static batcher, whose recorded steps (``chat.graphs``) serve them faster than eager mixed steps.
 
-Private transformers helpers used (pinned by these tests): ``_prepare_generation_config``,
-``_prepare_special_tokens``, ``_prepare_generated_length``, ``_get_logits_processor``,
-``_get_stopping_criteria``.
+A request's settings become transformers' processors in ``chat.rows``.
 """
 
 from __future__ import annotations
@@ -38,27 +37,16 @@ import logging
 import os
 import queue
 import threading
-import weakref
 from concurrent.futures import Future
+from contextlib import nullcontext
 
 import torch
-from transformers import (
-    EncoderDecoderCache,
-    ForcedEOSTokenLogitsProcessor,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    StoppingCriteriaList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers import EncoderDecoderCache
 
 from chat import stepgraphs
-from chat.batching import Batcher, Request, hand_ids
-from chat.fastgen import NoRepeatNGram, fast_kwargs
+from chat.batching import Batcher, Request
 from chat.optimize import rows_apart
+from chat.rows import member
 
 log = logging.getLogger(__name__)
 
@@ -133,109 +121,33 @@ class _StepCache(EncoderDecoderCache):
         self.is_updated = dict.fromkeys(range(len(cross)), True)
 
 
-class _Row:
-    """One request in the running batch: its settings as transformers' processors, its ids so far."""
-
-    def __init__(self, request: Request, model, start_id: int):
-        self.request = request
-        seed = request.kwargs.get("generator_seed")
-        self.processors, self.stop, self.sample = _settings(model, request)
-        self.generator = None
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(int(seed))
-        self.ids = torch.tensor([[start_id]])
-        self.length = 0  # self-attention columns this row has
-        self.source = int(request.encoded["attention_mask"].sum())
-        if request.streamer is not None:
-            hand_ids(request.streamer, [start_id])
-
-    def choose(self, logits: torch.Tensor) -> bool:
-        """Take the next token from this row's logits (1, vocab); True when the row is done."""
-        scores = self.processors(self.ids, logits)
-        if self.sample:
-            probs = torch.nn.functional.softmax(scores, dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=self.generator)
-        else:
-            token = torch.argmax(scores, dim=-1, keepdim=True)
-        self.ids = torch.cat([self.ids, token], dim=1)
-        if self.request.streamer is not None:
-            self.request.streamer.put(token[0].clone())
-        return bool(self.stop(self.ids, scores).all())
-
-
-# Processors and criteria that keep no state between calls: one list serves every row of the same
-# settings (building them takes transformers ~1 ms a request, in the worker every row waits on).
-_SHARED = (
-    RepetitionPenaltyLogitsProcessor,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    ForcedEOSTokenLogitsProcessor,
-    NoRepeatNGram,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MaxLengthCriteria,
-    EosTokenCriteria,
-)
-_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: built}
-
-
-def _settings(model, request: Request) -> tuple:
-    """A request's logits processors, stopping criteria and whether it samples, as transformers'
-    generate() builds them from its kwargs; reused for later requests of the same settings."""
-    key = tuple(sorted((k, v) for k, v in request.kwargs.items() if k != "generator_seed"))
-    try:
-        known = _BUILT.setdefault(model, {})
-        if key in known:
-            return known[key]
-    except TypeError:  # an unhashable value (a custom processor list): built for this row alone
-        known = None
-    kwargs = fast_kwargs(dict(request.kwargs), request.encoded["input_ids"])
-    kwargs.pop("generator_seed", None)
-    custom = kwargs.pop("logits_processor", None)
-    kwargs.pop("num_beams", None)
-    config, _ = model._prepare_generation_config(None, **kwargs)
-    config.num_beams = 1
-    model._prepare_special_tokens(config, True, device="cpu", batch_size=1)
-    source = request.encoded["input_ids"]
-    config = model._prepare_generated_length(config, True, True, "input_ids", 1, source)
-    processors = model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=1,
-        encoder_input_ids=source,
-        logits_processor=custom,
-        device="cpu",
-        model_kwargs={},
-    )
-    stop = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList())
-    built = (processors, stop, bool(config.do_sample))
-    if known is not None and all(type(x) in _SHARED for x in [*processors, *stop]):
-        if len(known) >= 64:
-            known.clear()
-        known[key] = built
-    return built
-
-
 class _Batch:
     """The running rows of one model object (a base and the adapters on it) and their caches."""
 
     def __init__(self, model):
         self.model = model
         self.decoder = model.get_decoder()
-        self.rows: list[_Row] = []
+        self.rows: list = []  # chat.rows' members: a Row, or a beam search's BeamRows
         self.self_attention = _SelfAttention(len(self.decoder.layers))
         self.cross: list[_Layer] = []  # per layer, rows padded to the longest source
 
+    @property
+    def size(self) -> int:
+        """Rows of the step (a beam-search request has several)."""
+        return sum(row.width for row in self.rows)
+
     def join(self, request: Request) -> None:
-        """Encode the request's source alone and add its cross-attention keys/values as a new row."""
+        """Encode the request's source alone and add its cross-attention keys/values as new rows
+        (one, or one per beam: the same for each)."""
         model = self.model
-        row = _Row(request, model, model.generation_config.decoder_start_token_id)
+        row = member(request, model, model.generation_config.decoder_start_token_id)
         encoded = {k: v.to(model.device) for k, v in request.encoded.items()}
         with request.loaded.activated():  # its adapter's projections (or none) for its encoder states
             layers = cross_keys_values(self.decoder, model.get_encoder()(**encoded).last_hidden_state)
         width = max([row.source, *(r.source for r in self.rows)])
         joined = []
         for i, (k, v) in enumerate(layers):
+            k, v = k.expand(row.width, -1, -1, -1), v.expand(row.width, -1, -1, -1)
             if self.cross:  # the running rows' keys/values, then the new row's, padded to one width
                 k = torch.cat([_widen(self.cross[i].keys, width), _widen(k, width)])
                 v = torch.cat([_widen(self.cross[i].values, width), _widen(v, width)])
@@ -244,33 +156,46 @@ class _Batch:
         sa = self.self_attention
         for i, k in enumerate(sa.keys):
             if k is not None:
-                pad = k.new_zeros((1, *k.shape[1:]))
+                pad = k.new_zeros((row.width, *k.shape[1:]))
                 sa.keys[i], sa.values[i] = torch.cat([k, pad]), torch.cat([sa.values[i], pad])
         self.rows.append(row)
 
-    def step(self) -> list[_Row]:
+    def step(self) -> list:
         """One decoder step for every row; returns the rows that finished (already left)."""
         rows, model, decoder = self.rows, self.model, self.decoder
         sa = self.self_attention
         width = (sa.keys[0].shape[2] if sa.keys[0] is not None else 0) + 1  # columns after this step
         for row in rows:
             row.length += 1
-        lengths = torch.tensor([row.length for row in rows])
-        sources = torch.tensor([row.source for row in rows])
+        lengths = torch.tensor([row.length for row in rows for _ in range(row.width)])
+        sources = torch.tensor([row.source for row in rows for _ in range(row.width)])
         dtype = self.cross[0].keys.dtype
         self_mask = _mask(torch.arange(width)[None] >= width - lengths[:, None], dtype)
         cross_mask = _mask(torch.arange(self.cross[0].keys.shape[2])[None] < sources[:, None], dtype)
-        tokens = torch.cat([row.ids[:, -1:] for row in rows]).to(model.device)
+        tokens = torch.cat([row.last() for row in rows]).to(model.device)
         positions = (lengths - 1)[:, None].to(model.device)
         hidden = decoder.embed_tokens(tokens) + decoder.embed_positions(tokens.shape, 0, position_ids=positions)
         cache = _StepCache(sa, self.cross)
         masks = [m if m is None else m.to(model.device) for m in (self_mask, cross_mask)]
-        for layer in decoder.layers:
-            out = layer(hidden, masks[0], self.cross[0].keys, encoder_attention_mask=masks[1], cache=cache)
-            hidden = out[0] if isinstance(out, tuple) else out
-        logits = model.lm_head(decoder.layer_norm(hidden)) + model.final_logits_bias.to(hidden.device)
+        # A request's beams are quantized together (int8), as generate() alone runs them.
+        with rows_apart(tuple(row.width for row in rows)) if len(rows) < len(lengths) else nullcontext():
+            for layer in decoder.layers:
+                out = layer(hidden, masks[0], self.cross[0].keys, encoder_attention_mask=masks[1], cache=cache)
+                hidden = out[0] if isinstance(out, tuple) else out
+            logits = model.lm_head(decoder.layer_norm(hidden)) + model.final_logits_bias.to(hidden.device)
         logits = logits[:, -1].to(copy=True, dtype=torch.float32, device="cpu")
-        done = [row for i, row in enumerate(rows) if row.choose(logits[i : i + 1])]
+        done, start, order = [], 0, None
+        for row in rows:
+            if row.choose(logits[start : start + row.width]):
+                done.append(row)
+            if row.order is not None:  # beams that go on read their parents' cache rows
+                order = list(range(len(lengths))) if order is None else order
+                order[start : start + row.width] = [start + i for i in row.order.tolist()]
+            start += row.width
+        if order is not None and order != list(range(len(order))):
+            index = torch.tensor(order, device=sa.keys[0].device)
+            sa.keys = [k.index_select(0, index) for k in sa.keys]
+            sa.values = [v.index_select(0, index) for v in sa.values]
         if done:
             self._leave([i for i, row in enumerate(rows) if row not in done])
         keep = max((row.length for row in self.rows), default=0)
@@ -287,8 +212,12 @@ class _Batch:
         self.rows = []
 
     def _leave(self, kept: list[int]) -> None:
+        starts = [0]
+        for row in self.rows:
+            starts.append(starts[-1] + row.width)
         self.rows = [self.rows[i] for i in kept]
-        index = torch.tensor(kept, dtype=torch.long, device=self.cross[0].keys.device)
+        rows = [r for i in kept for r in range(starts[i], starts[i + 1])]
+        index = torch.tensor(rows, dtype=torch.long, device=self.cross[0].keys.device)
         width = max((row.source for row in self.rows), default=0)
         self.cross = [_Layer(c.keys[index, :, :width], c.values[index, :, :width]) for c in self.cross]
         sa = self.self_attention
@@ -323,8 +252,8 @@ def _mask(visible: torch.Tensor, dtype) -> torch.Tensor | None:
 
 class StepBatcher:
     """One worker thread that decodes every running request step by step (``_Batch``); requests it
-    does not decode (beam search, a GPU's) go to the static ``Batcher``. Same ``submit`` as
-    ``Batcher``."""
+    does not decode (beam sampling; on a GPU beam search and adapters') go to the static
+    ``Batcher``. Same ``submit`` as ``Batcher``."""
 
     def __init__(self, max_batch: int | None = None, fallback: Batcher | None = None):
         if max_batch is not None and max_batch < 1:
@@ -353,12 +282,14 @@ class StepBatcher:
 
     def takes(self, loaded, kwargs: dict) -> bool:
         """Does the step loop decode this request? Greedy or sampling (int8 layers quantize each
-        row apart in a step: ``chat.optimize.rows_apart``); on a GPU, of a base model, within the
-        decoder's positions."""
+        row apart in a step: ``chat.optimize.rows_apart``), beam search (not sampled) where rows
+        are not slots; on a GPU, of a base model, within the decoder's positions."""
         model = loaded.model
+        beams = int(kwargs.get("num_beams") or 1)
+        if beams > 1 and (self._slots_for(model) or beams > self.max_batch or kwargs.get("do_sample")):
+            return False
         ok = (
-            int(kwargs.get("num_beams") or 1) == 1
-            and int(kwargs.get("num_return_sequences") or 1) == 1
+            int(kwargs.get("num_return_sequences") or 1) == 1
             and model.device.type in self.devices
             and hasattr(model, "get_decoder")
             and model.config.is_encoder_decoder
@@ -374,7 +305,9 @@ class StepBatcher:
         return model.device.type == "cuda" if self.slots is None else self.slots
 
     def submit(self, loaded, encoded: dict, kwargs: dict, streamer=None) -> Future:
-        if not self.takes(loaded, kwargs):
+        beams = int(kwargs.get("num_beams") or 1)
+        if not self.takes(loaded, kwargs) or (beams > 1 and streamer is not None):  # generate() refuses that
+            return self.fallback.submit(loaded, encoded, kwargs, streamer)
             return self.fallback.submit(loaded, encoded, kwargs, streamer)
         request = Request(loaded, encoded, kwargs, streamer)
         self._queue.put(request)
@@ -414,9 +347,17 @@ class StepBatcher:
             self._admit(batch, joining, held)
 
     def _admit(self, batch, requests: list[Request], held: list[Request]) -> None:
-        room = (self.max_batch if isinstance(batch, _Batch) else batch.capacity) - len(batch.rows)
-        held += requests[max(room, 0) :]
-        joining = requests[: max(room, 0)]
+        """Let ``requests`` join in their order while their rows fit; the rest wait in ``held`` (a
+        beam-search request waits for all of its rows, and those after it wait with it)."""
+        room = (self.max_batch if isinstance(batch, _Batch) else batch.capacity) - _size(batch)
+        joining = []
+        for request in requests:
+            rows = int(request.kwargs.get("num_beams") or 1)
+            if rows > room:
+                break
+            joining.append(request)
+            room -= rows
+        held += requests[len(joining) :]
         if isinstance(batch, _Batch):  # one at a time: each encoded alone
             for request in joining:
                 try:
@@ -448,11 +389,16 @@ class StepBatcher:
             batch.drop()
             return
         self.steps += 1
-        self.widest = max(self.widest, len(rows))
+        self.widest = max(self.widest, sum(getattr(row, "width", 1) for row in rows))  # beams: rows each
         for row in done:
             if row.request.streamer is not None:
                 row.request.streamer.end()
             row.request.future.set_result(row.ids)
+
+
+def _size(batch) -> int:
+    """The rows a batch steps (a beam-search request's beams are rows each)."""
+    return batch.size if isinstance(batch, _Batch) else len(batch.rows)
 
 
 def _serving(loadeds: list):

@@ -26,8 +26,9 @@ from chat.batching import Batcher, Request
 from chat.engine import DEMO_DIR, ChatEngine, load_checkpoint
 from chat.fastgen import EncoderNoRepeatNGram, NoRepeatNGram
 from chat.greedy import choose_greedy, plain_settings
+from chat.rows import Row
 from chat.stepgraphs import SlotBatch
-from chat.stepping import StepBatcher, _Row
+from chat.stepping import StepBatcher
 
 EOS = 2
 
@@ -100,7 +101,7 @@ def _row(loaded, engine, settings, talk=0):
     kwargs = settings.generate_kwargs()
     if settings.seed is not None:
         kwargs["generator_seed"] = settings.seed
-    return _Row(Request(loaded, encoded, kwargs), loaded.model, 1)
+    return Row(Request(loaded, encoded, kwargs), loaded.model, 1)
 
 
 def test_which_rows_take_the_batched_pass(demo):  # noqa: F811

@@ -130,12 +130,57 @@ def test_a_seeded_sample_is_the_same_beside_any_neighbours(demo, static):
     assert len(replies) > 1  # without a seed it does sample
 
 
-def test_beam_search_goes_to_the_static_batcher(demo):
-    stepper = StepBatcher()
+FAITHFUL = GENERATION_PRESETS["faithful"]  # beam 10
+MIXED = [  # greedy rows and beam searches of several widths, lengths and length penalties
+    FAST,
+    FAITHFUL,
+    replace(FAST, max_new_tokens=5),
+    replace(FAITHFUL, num_beams=3, length_penalty=0.5, min_new_tokens=5),
+    FAST,
+    replace(FAITHFUL, num_beams=4, max_new_tokens=22),
+]
+
+
+@pytest.mark.parametrize("optimize", ["none", "int8"])
+def test_beam_searches_share_steps_with_other_rows_and_reply_as_generate_alone(optimize, demo, static):
+    """A beam-search request is its beams' rows of the running batch (chat.beams); it joins mid-reply,
+    its beams are reordered among rows that are not its own, and int8 quantizes them together."""
+    model = demo if optimize == "none" else load_checkpoint(str(DEMO_DIR), optimize="int8")
+    engine = ChatEngine(model, "test", batcher=static)
+    requests = [(engine.build_input(TALKS[i % len(TALKS)])[0], s.generate_kwargs()) for i, s in enumerate(MIXED)]
+    expected = [alone(static, model, *r) for r in requests]
+    stepper = StepBatcher(max_batch=16)  # 20 rows in all: some wait for rows to leave
+    futures = []
+
+    def the_rest():  # sent when the first row has made 2 tokens: they join a running batch
+        futures.extend(stepper.submit(model, *r) for r in requests[1:])
+
+    first = stepper.submit(model, *requests[0], Tokens(2, the_rest))
+    assert first.result(60)[0].tolist() == expected[0]
+    while len(futures) < len(requests) - 1:
+        threading.Event().wait(0.01)
+    for i, future in enumerate(futures, 1):
+        assert future.result(120)[0].tolist() == expected[i], f"request {i} ({MIXED[i]})"
+    assert 11 < stepper.widest <= 16  # beams and other rows shared steps, within max_batch rows
+    assert stepper.steps < sum(len(e) - 1 for e in expected)
+
+
+def test_what_beam_search_the_step_loop_takes(demo, static):
+    stepper = StepBatcher(max_batch=8)
     assert stepper.takes(demo, FAST.generate_kwargs())
-    assert not stepper.takes(demo, GENERATION_PRESETS["faithful"].generate_kwargs())
-    engine = ChatEngine(demo, "test", batcher=stepper)
-    assert engine.reply(TALKS[0], "ok", GENERATION_PRESETS["faithful"])[0]
+    assert stepper.takes(demo, replace(FAITHFUL, num_beams=8).generate_kwargs())
+    assert not stepper.takes(demo, FAITHFUL.generate_kwargs())  # 10 beams: more rows than a step has
+    assert not stepper.takes(demo, {**replace(FAITHFUL, num_beams=4).generate_kwargs(), "do_sample": True})
+    assert not stepper.takes(demo, {**FAST.generate_kwargs(), "num_return_sequences": 2})
+    stepper.slots = True  # a GPU's slots step one row per request: beams go to the static batcher
+    assert not stepper.takes(demo, replace(FAITHFUL, num_beams=4).generate_kwargs())
+    stepper.slots = None
+    engine = ChatEngine(demo, "test", batcher=StepBatcher())
+    want = ChatEngine(demo, "alone", batcher=static).reply(TALKS[0], "ok", FAITHFUL)[0]
+    assert engine.reply(TALKS[0], "ok", FAITHFUL)[0] == want and engine._batcher.steps > 0
+    encoded, kwargs = engine.build_input(TALKS[1])[0], replace(FAITHFUL, num_beams=4).generate_kwargs()
+    with pytest.raises(ValueError, match="beam"):  # as generate() itself: no streamer with beam search
+        stepper.submit(demo, encoded, kwargs, Tokens()).result(60)
     assert stepper.steps == 0
 
 
@@ -215,14 +260,14 @@ def test_rows_of_the_same_settings_share_their_stateless_processors(demo):
     """Building a row's processors is transformers' generate() set-up (~1 ms); rows of the same
     settings reuse one list when every processor keeps no state, and only then."""
     from chat.batching import Request
-    from chat.stepping import _Row
+    from chat.rows import Row
 
     engine = ChatEngine(demo, "test", batcher=Batcher())
-    first, second = (_Row(Request(demo, *inputs(engine, i)), demo.model, 1) for i in (0, 5))  # both FAST
+    first, second = (Row(Request(demo, *inputs(engine, i)), demo.model, 1) for i in (0, 5))  # both FAST
     assert first.processors is second.processors and first.stop is second.stop
-    encoder_rule = [_Row(Request(demo, *inputs(engine, 4)), demo.model, 1) for _ in range(2)]  # its source's n-grams
+    encoder_rule = [Row(Request(demo, *inputs(engine, 4)), demo.model, 1) for _ in range(2)]  # its source's n-grams
     assert encoder_rule[0].processors is not encoder_rule[1].processors
-    sampled = [_Row(Request(demo, *inputs(engine, 3)), demo.model, 1) for _ in range(2)]  # seeded sampling
+    sampled = [Row(Request(demo, *inputs(engine, 3)), demo.model, 1) for _ in range(2)]  # seeded sampling
     assert sampled[0].processors is sampled[1].processors and sampled[0].generator is not sampled[1].generator
 
 

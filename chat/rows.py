@@ -1,0 +1,128 @@
+"""A request's rows in the step loop (``chat.stepping``): its generate() kwargs made into
+transformers' own logits processors and stopping criteria, as generate() alone builds them, and the
+row that applies them to its logits each step (``Row``; a beam search is ``chat.beams.BeamRows``).
+
+Private transformers helpers used (pinned by tests/chat/test_stepping.py): ``_prepare_generation_config``,
+``_prepare_special_tokens``, ``_prepare_generated_length``, ``_get_logits_processor``,
+``_get_stopping_criteria``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import (
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from chat.batching import Request, hand_ids
+from chat.beams import BeamRows
+from chat.fastgen import CACHE_KWARG, NoRepeatNGram, fast_kwargs
+
+
+class Row:
+    """One request in the running batch: its settings as transformers' processors, its ids so far.
+    (A beam-search request is ``chat.beams.BeamRows``: the same members, ``width`` rows.)"""
+
+    width = 1  # rows of the batch
+    order = None  # rows reordered after a step (beam search's)
+
+    def __init__(self, request: Request, model, start_id: int):
+        self.request = request
+        seed = request.kwargs.get("generator_seed")
+        self.processors, self.stop, config = settings(model, request)
+        self.sample = bool(config.do_sample)
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(int(seed))
+        self.ids = torch.tensor([[start_id]])
+        self.length = 0  # self-attention columns this row has
+        self.source = int(request.encoded["attention_mask"].sum())
+        if request.streamer is not None:
+            hand_ids(request.streamer, [start_id])
+
+    def last(self) -> torch.Tensor:
+        return self.ids[:, -1:]
+
+    def choose(self, logits: torch.Tensor) -> bool:
+        """Take the next token from this row's logits (1, vocab); True when the row is done."""
+        scores = self.processors(self.ids, logits)
+        if self.sample:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=self.generator)
+        else:
+            token = torch.argmax(scores, dim=-1, keepdim=True)
+        self.ids = torch.cat([self.ids, token], dim=1)
+        if self.request.streamer is not None:
+            self.request.streamer.put(token[0].clone())
+        return bool(self.stop(self.ids, scores).all())
+
+
+# Processors and criteria that keep no state between calls: one list serves every row of the same
+# settings (building them takes transformers ~1 ms a request, in the worker every row waits on).
+SHARED = (
+    RepetitionPenaltyLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    NoRepeatNGram,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MaxLengthCriteria,
+    EosTokenCriteria,
+)
+BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: built}
+
+
+def member(request: Request, model, start_id: int) -> Row | BeamRows:
+    """A joining request's member of the batch: one row, or its beams' rows."""
+    if int(request.kwargs.get("num_beams") or 1) == 1:
+        return Row(request, model, start_id)
+    return BeamRows(request, model, start_id, *settings(model, request))
+
+
+def settings(model, request: Request) -> tuple:
+    """A request's logits processors, stopping criteria and generation config (its sampling, beams,
+    lengths), as transformers' generate() builds them from its kwargs; reused for later requests of
+    the same settings."""
+    key = tuple(sorted((k, v) for k, v in request.kwargs.items() if k != "generator_seed"))
+    try:
+        known = BUILT.setdefault(model, {})
+        if key in known:
+            return known[key]
+    except TypeError:  # an unhashable value (a custom processor list): built for this row alone
+        known = None
+    kwargs = fast_kwargs(dict(request.kwargs), request.encoded["input_ids"])
+    kwargs.pop("generator_seed", None)
+    custom = kwargs.pop("logits_processor", None)
+    kwargs.pop(CACHE_KWARG, None)  # fast_kwargs' cache for generate()'s beam search: the loop has its own
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    config.num_beams = int(kwargs.get("num_beams") or 1)
+    model._prepare_special_tokens(config, True, device="cpu", batch_size=1)
+    source = request.encoded["input_ids"]
+    config = model._prepare_generated_length(config, True, True, "input_ids", 1, source)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=1,
+        encoder_input_ids=source,
+        logits_processor=custom,
+        device="cpu",
+        model_kwargs={},
+    )
+    stop = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList())
+    built = (processors, stop, config)
+    if known is not None and all(type(x) in SHARED for x in [*processors, *stop]):
+        if len(known) >= 64:
+            known.clear()
+        known[key] = built
+    return built
