@@ -2,11 +2,11 @@
 
 N clients chat at once, each sending its next message as soon as its last reply ended (a closed
 loop), through the engine's streaming path (what /chat and the API call), every reply forced to
-exactly ``--reply_tokens`` new tokens of the ``fast`` preset. For each scheduler (``static``:
-chat.batching's generate() per batch; ``step``: chat.stepping's continuous batching) and each
-concurrency, in the same run and alternating, on one loaded model: replies/s, reply latency
-p50/p95, time to the first streamed text p50, and whether the replies are those of the first
-scheduler (greedy: they must be). ``--adapters K`` spreads the clients over K LoRA adapters of the
+exactly ``--reply_tokens`` new tokens of the ``--preset`` (``fast``: greedy, streamed; ``faithful``:
+beam 10, whole). For each scheduler (``static``: chat.batching's generate() per batch; ``step``:
+chat.stepping's continuous batching) and each concurrency, in the same run and alternating, on one
+loaded model: replies/s, reply latency p50/p95, time to the first streamed text p50, and whether
+the replies are those of the first scheduler (greedy and beam search: they must be). ``--adapters K`` spreads the clients over K LoRA adapters of the
 model (made with random weights) instead of the base alone.
 """
 
@@ -39,8 +39,8 @@ def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
         return Batcher(max_batch=max_batch)
     if scheduler not in SCHEDULERS:
         raise SystemExit(f"unknown scheduler {scheduler!r}: {', '.join(SCHEDULERS)}")
-    # What the step loop does not take (beam search; on a GPU adapters' rows) goes to a static
-    # batcher with the same bound on rows.
+    # What the step loop does not take (beam sampling; on a GPU beam search and adapters' rows) goes
+    # to a static batcher with the same bound on rows.
     stepper = StepBatcher(max_batch=max_batch, fallback=Batcher(max_batch=max_batch))
     if scheduler == "step-eager":
         stepper.cuda_graphs = "off"
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,8", help="comma-separated client counts")
     parser.add_argument("--replies", type=int, default=16, help="replies per round (at least the clients)")
     parser.add_argument("--reply_tokens", type=int, default=24)
+    parser.add_argument("--preset", default="fast", choices=sorted(GENERATION_PRESETS))
     parser.add_argument("--max_batch", type=int, default=8, help="rows per batch / step")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, help="torch's CPU threads")
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     batchers = {s: make_batcher(s, args.max_batch) for s in schedulers}
     engine = ChatEngine(loaded, f"bench {spec}", batcher=batchers[schedulers[0]])
     engine.stream_interval = args.stream_interval
-    settings = replace(GENERATION_PRESETS["fast"], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens)
+    settings = replace(
+        GENERATION_PRESETS[args.preset], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens
+    )
     chats = prompt_set(args.prompts)
     with tempfile.TemporaryDirectory() as root:
         if args.adapters:
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{spec} ({args.optimize}{', TF32' if args.tf32 else ''}"
         f"{f', {args.adapters} LoRA adapters' if args.adapters else ''}), "
-        f"{args.reply_tokens}-token fast replies{' (not streamed)' if args.no_stream else ''}"
+        f"{args.reply_tokens}-token {args.preset} replies{' (not streamed)' if args.no_stream else ''}"
         f"{'' if args.stream_interval is None else f' (streamed every {args.stream_interval} s)'}, "
         f"max batch {args.max_batch}, "
         f"{hardware}, torch {env['torch']}, {env['date']}"

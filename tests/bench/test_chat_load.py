@@ -52,3 +52,13 @@ def test_gil_wait_smoke(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [r["threads"] for r in results] == [0, 2]
     assert all(r["torch_op_us"] > 0 and r["python_us"] > 0 for r in results)
+
+
+def test_load_smoke_beam_search_in_both_schedulers(tmp_path):
+    out = tmp_path / "load.json"
+    argv = ["--model", str(DEMO_DIR), "--preset", "faithful", "--concurrency", "2", "--replies", "2"]
+    assert chat_load.main([*argv, "--reply_tokens", "6", "--max_batch", "20", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["scheduler"] for r in data["results"]] == ["static", "step"]
+    assert data["results"][0]["texts"] == data["results"][1]["texts"] and "6-token faithful" in data["header"]
+    assert all(data["results"][0]["texts"])
