@@ -6,8 +6,10 @@ exactly ``--reply_tokens`` new tokens of the ``--preset`` (``fast``: greedy, str
 beam 10, whole). For each scheduler (``static``: chat.batching's generate() per batch; ``step``:
 chat.stepping's continuous batching) and each concurrency, in the same run and alternating, on one
 loaded model: replies/s, reply latency p50/p95, time to the first streamed text p50, and whether
-the replies are those of the first scheduler (greedy and beam search: they must be). ``--adapters K`` spreads the clients over K LoRA adapters of the
-model (made with random weights) instead of the base alone.
+the replies are those of the first scheduler (greedy and beam search: they must be). ``--adapters
+K`` spreads the clients over K LoRA adapters of the model (made with random weights) instead of the
+base alone; ``--faithful_every N`` makes every Nth chat ask for ``faithful`` replies (their latency
+p50 apart) beside the others.
 """
 
 from __future__ import annotations
@@ -22,43 +24,70 @@ import torch
 
 from bench.chat import prompt_set
 from bench.chat_adapters import make_adapter
-from bench.common import closed_loop, command_line, device_name, md_table, quiet_transformers, versions, write_json
+from bench.common import (
+    closed_loop,
+    command_line,
+    device_name,
+    md_table,
+    percentile,
+    quiet_transformers,
+    versions,
+    write_json,
+)
 from chat.batching import Batcher
 from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.model import ModelLoadError
 from chat.stepping import StepBatcher
 
-SCHEDULERS = ("static", "step", "step-serial", "step-eager")
+SCHEDULERS = ("static", "step", "step-serial", "step-eager", "step-beams")
 
 
 def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
     """``static``: generate() per batch; ``step``: the step loop (on a GPU in slots, steps replayed
     from CUDA graphs, the next started before a step's tokens are handed out); ``step-serial``: the
-    same, one step at a time; ``step-eager``: the step loop without graphs."""
+    same, one step at a time; ``step-eager``: the step loop without graphs; ``step-beams``: the step
+    loop with beam search in its steps (``StepBatcher.beams``; off by default)."""
     if scheduler == "static":
         return Batcher(max_batch=max_batch)
     if scheduler not in SCHEDULERS:
         raise SystemExit(f"unknown scheduler {scheduler!r}: {', '.join(SCHEDULERS)}")
-    # What the step loop does not take (beam sampling; on a GPU beam search and adapters' rows) goes
-    # to a static batcher with the same bound on rows.
+    # What the step loop does not take (beam search; on a GPU adapters' rows) goes to a static
+    # batcher with the same bound on rows.
     stepper = StepBatcher(max_batch=max_batch, fallback=Batcher(max_batch=max_batch))
     if scheduler == "step-eager":
         stepper.cuda_graphs = "off"
     if scheduler == "step-serial":
         stepper.lookahead = False
+    if scheduler == "step-beams":
+        stepper.beams = True
     return stepper
 
 
-def load_round(engine: ChatEngine, chats, clients: int, replies: int, settings, stream: bool = True) -> dict:
+def load_round(
+    engine: ChatEngine, chats, clients: int, replies: int, settings, stream: bool = True, other=(0, None)
+) -> dict:
     """``clients`` threads in a closed loop on the engine's stream (or, ``stream=False``, its whole
-    replies, as the API's non-streamed completions) until ``replies`` replies are done."""
+    replies, as the API's non-streamed completions) until ``replies`` replies are done; ``other``:
+    (N, settings) for every Nth chat instead, whose latency p50 is reported apart."""
+    every, other_settings = other
+    marked = {id(conv) for conv, _ in chats[::every]} if every else set()
 
     def make_stream(_k: int):
-        if not stream:
-            return lambda conv, message: iter([engine.reply(conv, message, settings)[0]])
-        return lambda conv, message: (text for text, _ in engine.stream(conv, message, settings))
+        def stream_of(conv, message):
+            own = other_settings if id(conv) in marked else settings
+            if not stream:
+                return iter([engine.reply(conv, message, own)[0]])
+            return (text for text, _ in engine.stream(conv, message, own))
 
-    return closed_loop(make_stream, chats, clients, replies)
+        return stream_of
+
+    result = closed_loop(make_stream, chats, clients, replies)
+    if every:
+        kinds = [(i % len(chats)) % every == 0 for i in range(replies)]
+        mine = [t for t, other in zip(result["latencies"], kinds) if other and t is not None]
+        rest = [t for t, other in zip(result["latencies"], kinds) if not other and t is not None]
+        result.update(other_p50=percentile(mine, 50), p50=percentile(rest, 50), p95=percentile(rest, 95))
+    return result
 
 
 def adapter_chats(engine: ChatEngine, spec: str, prompts, count: int, rank: int, root: Path):
@@ -76,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replies", type=int, default=16, help="replies per round (at least the clients)")
     parser.add_argument("--reply_tokens", type=int, default=24)
     parser.add_argument("--preset", default="fast", choices=sorted(GENERATION_PRESETS))
+    parser.add_argument("--faithful_every", type=int, default=0, help="every Nth chat asks for faithful")
     parser.add_argument("--max_batch", type=int, default=8, help="rows per batch / step")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, help="torch's CPU threads")
@@ -108,29 +138,35 @@ def main(argv: list[str] | None = None) -> int:
     settings = replace(
         GENERATION_PRESETS[args.preset], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens
     )
+    faithful = replace(
+        GENERATION_PRESETS["faithful"], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens
+    )
+    other = (args.faithful_every, faithful)
+    counts = [int(c) for c in args.concurrency.split(",")]
+    if args.faithful_every and not 2 <= args.faithful_every <= args.prompts:
+        parser.error("--faithful_every must be from 2 to --prompts (the other chats ask for --preset)")
     chats = prompt_set(args.prompts)
     with tempfile.TemporaryDirectory() as root:
         if args.adapters:
             chats = adapter_chats(engine, spec, chats, args.adapters, args.adapter_r, Path(root))
-        counts = [int(c) for c in args.concurrency.split(",")]
         for name in schedulers:  # warm up each path at the widest concurrency (graphs recorded)
             engine._batcher = batchers[name]
-            load_round(engine, chats, max(counts), max(counts), settings, not args.no_stream)
+            load_round(engine, chats, max(counts), max(counts), settings, not args.no_stream, other)
         results = []
         for clients in counts:
             replies = max(args.replies, clients)
             for name in schedulers:
                 engine._batcher = batchers[name]
-                results.append(
-                    {"scheduler": name, **load_round(engine, chats, clients, replies, settings, not args.no_stream)}
-                )
+                result = load_round(engine, chats, clients, replies, settings, not args.no_stream, other)
+                results.append({"scheduler": name, **result})
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()
     header = (
         f"{spec} ({args.optimize}{', TF32' if args.tf32 else ''}"
         f"{f', {args.adapters} LoRA adapters' if args.adapters else ''}), "
         f"{args.reply_tokens}-token {args.preset} replies{' (not streamed)' if args.no_stream else ''}"
-        f"{'' if args.stream_interval is None else f' (streamed every {args.stream_interval} s)'}, "
+        f"{'' if args.stream_interval is None else f' (streamed every {args.stream_interval} s)'}"
+        f"{f', 1 in {args.faithful_every} chats faithful' if args.faithful_every else ''}, "
         f"max batch {args.max_batch}, "
         f"{hardware}, torch {env['torch']}, {env['date']}"
     )
@@ -149,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['first_text_p50']:.3f} s",
                 f"{same}/{len(base['texts'])}",
                 str(len(r["errors"])),
+                *([f"{r['other_p50']:.3f} s"] if args.faithful_every else []),
             ]
         )
     header_row = [
@@ -160,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "first text p50",
         f"same replies as {schedulers[0]}",
         "errors",
+        *(["faithful replies' p50 (p50/p95: the others')"] if args.faithful_every else []),
     ]
     print(header)
     print("\n".join(md_table(header_row, rows)))

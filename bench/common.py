@@ -67,8 +67,10 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
     """``clients`` threads in a closed loop, each with its own client (``make_stream(k)`` gives client
     k's ``stream(conv, message)``, an iterator of the reply so far), sending ``chats`` in turn until
     ``replies`` replies are done: replies/s, latency p50/p95, time to the first text p50, each reply's
-    final text (None where it failed) and the errors (a failed reply is counted, not a dead client)."""
+    final text and latency (None where it failed) and the errors (a failed reply is counted, not a
+    dead client)."""
     lock, latencies, firsts, texts, errors = threading.Lock(), [], [], {}, []
+    each: dict[int, float] = {}
     taken = iter(range(replies))
 
     def client(k: int) -> None:
@@ -91,6 +93,7 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
                 continue
             with lock:
                 latencies.append(time.perf_counter() - t0)
+                each[i] = latencies[-1]
                 firsts.append(first if first is not None else latencies[-1])
                 texts[i] = text
 
@@ -109,6 +112,7 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
         "p95": percentile(latencies, 95),
         "first_text_p50": percentile(firsts, 50),
         "texts": [texts.get(i) for i in range(replies)],
+        "latencies": [each.get(i) for i in range(replies)],
         "errors": errors,
     }
 

@@ -1,7 +1,6 @@
 """Batching of concurrent replies: requests with the same model and settings that arrive within
 a few milliseconds of each other run as one ``generate`` call. (The engine's default scheduler is
-``chat.stepping``'s step loop; it sends what it does not decode here: beam sampling, and on a GPU
-beam search and adapters' requests.)
+``chat.stepping``'s step loop; it sends beam search, and on a GPU adapters' requests, here.)
 
 Decoding one token costs about the same for 1 row as for 8 (on a CPU the weights are read from
 memory once per step either way), so serving 8 chats together is several times the throughput

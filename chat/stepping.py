@@ -18,9 +18,10 @@ one. Here one worker thread runs its own decoding loop over the model's parts:
   whatever else runs beside it).
 
 Greedy replies are those of ``generate()`` alone (tests/chat/test_stepping.py: token for token on
-the demo model in fp32, joining mid-flight included). A beam-search request (``faithful``) is its
-beams' rows, stepped by transformers' own beam-search helpers (``chat.beams``); beam sampling and
-anything else this loop does not do go to the static batcher. Rows of different LoRA adapters of one
+the demo model in fp32, joining mid-flight included). Beam search (``faithful``) goes to the static
+batcher, as does anything else this loop does not do; with ``StepBatcher.beams`` a beam-search
+request is its beams' rows of the steps, stepped by transformers' own helpers (``chat.beams``: same
+replies, measured slower on a CPU). Rows of different LoRA adapters of one
 base share a step (``chat.lora.rows_of``): each row gets its own low-rank update.
 
 On a GPU the rows live in fixed-address slots and each step and each join is replayed from a CUDA
@@ -252,8 +253,8 @@ def _mask(visible: torch.Tensor, dtype) -> torch.Tensor | None:
 
 class StepBatcher:
     """One worker thread that decodes every running request step by step (``_Batch``); requests it
-    does not decode (beam sampling; on a GPU beam search and adapters') go to the static
-    ``Batcher``. Same ``submit`` as ``Batcher``."""
+    does not decode (beam search; on a GPU adapters') go to the static ``Batcher``. Same
+    ``submit`` as ``Batcher``."""
 
     def __init__(self, max_batch: int | None = None, fallback: Batcher | None = None):
         if max_batch is not None and max_batch < 1:
@@ -279,14 +280,22 @@ class StepBatcher:
     # Slots: start the next step before handing this one's tokens to the streamers (the readers'
     # Python then runs beside the device's step). None = where steps are replayed CUDA graphs.
     lookahead: bool | None = None
+    # Beam search as its beams' rows of the steps where rows are not slots (chat.beams). Off: on 2
+    # CPU cores in int8 a beam search beside greedy rows served 19-23% fewer replies/s than the static
+    # batcher in a thread of its own, and the greedy rows waited longer (a CPU step's cost grows with
+    # its rows, so sharing one gains nothing: docs/chat-benchmarks.md). For where a step costs the same
+    # for more rows (a GPU's slots, which do not take beams yet).
+    beams: bool = False
 
     def takes(self, loaded, kwargs: dict) -> bool:
         """Does the step loop decode this request? Greedy or sampling (int8 layers quantize each
-        row apart in a step: ``chat.optimize.rows_apart``), beam search (not sampled) where rows
-        are not slots; on a GPU, of a base model, within the decoder's positions."""
+        row apart in a step: ``chat.optimize.rows_apart``), with ``beams`` beam search (not sampled)
+        where rows are not slots; on a GPU, of a base model, within the decoder's positions."""
         model = loaded.model
         beams = int(kwargs.get("num_beams") or 1)
-        if beams > 1 and (self._slots_for(model) or beams > self.max_batch or kwargs.get("do_sample")):
+        if beams > 1 and (
+            not self.beams or self._slots_for(model) or beams > self.max_batch or kwargs.get("do_sample")
+        ):
             return False
         ok = (
             int(kwargs.get("num_return_sequences") or 1) == 1

@@ -54,11 +54,12 @@ def test_gil_wait_smoke(tmp_path):
     assert all(r["torch_op_us"] > 0 and r["python_us"] > 0 for r in results)
 
 
-def test_load_smoke_beam_search_in_both_schedulers(tmp_path):
+def test_load_smoke_beam_search_beside_greedy_chats_in_and_out_of_the_steps(tmp_path):
     out = tmp_path / "load.json"
-    argv = ["--model", str(DEMO_DIR), "--preset", "faithful", "--concurrency", "2", "--replies", "2"]
-    assert chat_load.main([*argv, "--reply_tokens", "6", "--max_batch", "20", "--out", str(out)]) == 0
+    argv = ["--model", str(DEMO_DIR), "--schedulers", "step,step-beams", "--concurrency", "3", "--replies", "4"]
+    argv += ["--reply_tokens", "6", "--max_batch", "20", "--faithful_every", "2", "--prompts", "4"]
+    assert chat_load.main([*argv, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert [r["scheduler"] for r in data["results"]] == ["static", "step"]
-    assert data["results"][0]["texts"] == data["results"][1]["texts"] and "6-token faithful" in data["header"]
-    assert all(data["results"][0]["texts"])
+    assert [r["scheduler"] for r in data["results"]] == ["step", "step-beams"]
+    assert data["results"][0]["texts"] == data["results"][1]["texts"] and all(data["results"][0]["texts"])
+    assert "1 in 2 chats faithful" in data["header"] and all(r["other_p50"] > 0 for r in data["results"])

@@ -143,13 +143,15 @@ MIXED = [  # greedy rows and beam searches of several widths, lengths and length
 
 @pytest.mark.parametrize("optimize", ["none", "int8"])
 def test_beam_searches_share_steps_with_other_rows_and_reply_as_generate_alone(optimize, demo, static):
-    """A beam-search request is its beams' rows of the running batch (chat.beams); it joins mid-reply,
-    its beams are reordered among rows that are not its own, and int8 quantizes them together."""
+    """With ``beams``, a beam-search request is its beams' rows of the running batch (chat.beams): it
+    joins mid-reply, its beams are reordered among rows that are not its own, and int8 quantizes them
+    together."""
     model = demo if optimize == "none" else load_checkpoint(str(DEMO_DIR), optimize="int8")
     engine = ChatEngine(model, "test", batcher=static)
     requests = [(engine.build_input(TALKS[i % len(TALKS)])[0], s.generate_kwargs()) for i, s in enumerate(MIXED)]
     expected = [alone(static, model, *r) for r in requests]
     stepper = StepBatcher(max_batch=16)  # 20 rows in all: some wait for rows to leave
+    stepper.beams = True
     futures = []
 
     def the_rest():  # sent when the first row has made 2 tokens: they join a running batch
@@ -168,6 +170,10 @@ def test_beam_searches_share_steps_with_other_rows_and_reply_as_generate_alone(o
 def test_what_beam_search_the_step_loop_takes(demo, static):
     stepper = StepBatcher(max_batch=8)
     assert stepper.takes(demo, FAST.generate_kwargs())
+    assert not stepper.takes(demo, replace(FAITHFUL, num_beams=8).generate_kwargs())  # by default: static
+    engine = ChatEngine(demo, "test", batcher=stepper)
+    assert engine.reply(TALKS[0], "ok", FAITHFUL)[0] and stepper.steps == 0
+    stepper.beams = True
     assert stepper.takes(demo, replace(FAITHFUL, num_beams=8).generate_kwargs())
     assert not stepper.takes(demo, FAITHFUL.generate_kwargs())  # 10 beams: more rows than a step has
     assert not stepper.takes(demo, {**replace(FAITHFUL, num_beams=4).generate_kwargs(), "do_sample": True})
@@ -176,6 +182,7 @@ def test_what_beam_search_the_step_loop_takes(demo, static):
     assert not stepper.takes(demo, replace(FAITHFUL, num_beams=4).generate_kwargs())
     stepper.slots = None
     engine = ChatEngine(demo, "test", batcher=StepBatcher())
+    engine._batcher.beams = True
     want = ChatEngine(demo, "alone", batcher=static).reply(TALKS[0], "ok", FAITHFUL)[0]
     assert engine.reply(TALKS[0], "ok", FAITHFUL)[0] == want and engine._batcher.steps > 0
     encoded, kwargs = engine.build_input(TALKS[1])[0], replace(FAITHFUL, num_beams=4).generate_kwargs()
