@@ -63,7 +63,7 @@ class Row:
             token = torch.argmax(scores, dim=-1, keepdim=True)
         self.ids = torch.cat([self.ids, token], dim=1)
         if self.request.streamer is not None:
-            self.request.streamer.put(token[0].clone())
+            hand_ids(self.request.streamer, token[0].tolist())
         return bool(self.stop(self.ids, scores).all())
 
 
@@ -84,9 +84,14 @@ SHARED = (
 BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: built}
 
 
+def beams_of(kwargs: dict) -> int:
+    """The beams a request's generate() kwargs ask for: its rows in a step (no ``num_beams``: 1)."""
+    return int(kwargs.get("num_beams") or 1)
+
+
 def member(request: Request, model, start_id: int) -> Row | BeamRows:
     """A joining request's member of the batch: one row, or its beams' rows."""
-    if int(request.kwargs.get("num_beams") or 1) == 1:
+    if beams_of(request.kwargs) == 1:
         return Row(request, model, start_id)
     return BeamRows(request, model, start_id, *settings(model, request))
 
@@ -107,7 +112,7 @@ def settings(model, request: Request) -> tuple:
     custom = kwargs.pop("logits_processor", None)
     kwargs.pop(CACHE_KWARG, None)  # fast_kwargs' cache for generate()'s beam search: the loop has its own
     config, _ = model._prepare_generation_config(None, **kwargs)
-    config.num_beams = int(kwargs.get("num_beams") or 1)
+    config.num_beams = beams_of(kwargs)
     model._prepare_special_tokens(config, True, device="cpu", batch_size=1)
     source = request.encoded["input_ids"]
     config = model._prepare_generated_length(config, True, True, "input_ids", 1, source)

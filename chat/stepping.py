@@ -21,8 +21,8 @@ Greedy replies are those of ``generate()`` alone (tests/chat/test_stepping.py: t
 the demo model in fp32, joining mid-flight included). Beam search (``faithful``) goes to the static
 batcher, as does anything else this loop does not do; with ``StepBatcher.beams`` a beam-search
 request is its beams' rows of the steps, stepped by transformers' own helpers (``chat.beams``: same
-replies, measured slower on a CPU). Rows of different LoRA adapters of one
-base share a step (``chat.lora.rows_of``): each row gets its own low-rank update.
+replies, measured slower on a CPU). Rows of different LoRA adapters of one base share a step
+(``chat.lora.rows_of``): each row gets its own low-rank update.
 
 On a GPU the rows live in fixed-address slots and each step and each join is replayed from a CUDA
 graph (``chat.stepgraphs.SlotBatch``: the same ``step``, requests join several at a time, and the next
@@ -47,7 +47,7 @@ from transformers import EncoderDecoderCache
 from chat import stepgraphs
 from chat.batching import Batcher, Request
 from chat.optimize import rows_apart
-from chat.rows import member
+from chat.rows import beams_of, member
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +131,6 @@ class _Batch:
         self.rows: list = []  # chat.rows' members: a Row, or a beam search's BeamRows
         self.self_attention = _SelfAttention(len(self.decoder.layers))
         self.cross: list[_Layer] = []  # per layer, rows padded to the longest source
-
-    @property
-    def size(self) -> int:
-        """Rows of the step (a beam-search request has several)."""
-        return sum(row.width for row in self.rows)
 
     def join(self, request: Request) -> None:
         """Encode the request's source alone and add its cross-attention keys/values as new rows
@@ -292,7 +287,7 @@ class StepBatcher:
         row apart in a step: ``chat.optimize.rows_apart``), with ``beams`` beam search (not sampled)
         where rows are not slots; on a GPU, of a base model, within the decoder's positions."""
         model = loaded.model
-        beams = int(kwargs.get("num_beams") or 1)
+        beams = beams_of(kwargs)
         if beams > 1 and (
             not self.beams or self._slots_for(model) or beams > self.max_batch or kwargs.get("do_sample")
         ):
@@ -314,9 +309,8 @@ class StepBatcher:
         return model.device.type == "cuda" if self.slots is None else self.slots
 
     def submit(self, loaded, encoded: dict, kwargs: dict, streamer=None) -> Future:
-        beams = int(kwargs.get("num_beams") or 1)
+        beams = beams_of(kwargs)
         if not self.takes(loaded, kwargs) or (beams > 1 and streamer is not None):  # generate() refuses that
-            return self.fallback.submit(loaded, encoded, kwargs, streamer)
             return self.fallback.submit(loaded, encoded, kwargs, streamer)
         request = Request(loaded, encoded, kwargs, streamer)
         self._queue.put(request)
@@ -358,10 +352,10 @@ class StepBatcher:
     def _admit(self, batch, requests: list[Request], held: list[Request]) -> None:
         """Let ``requests`` join in their order while their rows fit; the rest wait in ``held`` (a
         beam-search request waits for all of its rows, and those after it wait with it)."""
-        room = (self.max_batch if isinstance(batch, _Batch) else batch.capacity) - _size(batch)
+        room = (self.max_batch if isinstance(batch, _Batch) else batch.capacity) - _size(batch.rows)
         joining = []
         for request in requests:
-            rows = int(request.kwargs.get("num_beams") or 1)
+            rows = beams_of(request.kwargs)
             if rows > room:
                 break
             joining.append(request)
@@ -398,16 +392,16 @@ class StepBatcher:
             batch.drop()
             return
         self.steps += 1
-        self.widest = max(self.widest, sum(getattr(row, "width", 1) for row in rows))  # beams: rows each
+        self.widest = max(self.widest, _size(rows))
         for row in done:
             if row.request.streamer is not None:
                 row.request.streamer.end()
             row.request.future.set_result(row.ids)
 
 
-def _size(batch) -> int:
-    """The rows a batch steps (a beam-search request's beams are rows each)."""
-    return batch.size if isinstance(batch, _Batch) else len(batch.rows)
+def _size(rows: list) -> int:
+    """The rows of a step that ``rows`` (chat.rows' members) take: a beam search's beams a row each."""
+    return sum(row.width for row in rows)
 
 
 def _serving(loadeds: list):
