@@ -83,7 +83,7 @@ def load_round(
 
     result = closed_loop(make_stream, chats, clients, replies)
     if every:
-        kinds = [(i % len(chats)) % every == 0 for i in range(replies)]
+        kinds = [id(chats[i % len(chats)][0]) in marked for i in range(replies)]  # as closed_loop picks chats
         mine = [t for t, other in zip(result["latencies"], kinds) if other and t is not None]
         rest = [t for t, other in zip(result["latencies"], kinds) if not other and t is not None]
         result.update(other_p50=percentile(mine, 50), p50=percentile(rest, 50), p95=percentile(rest, 95))
@@ -135,13 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     batchers = {s: make_batcher(s, args.max_batch) for s in schedulers}
     engine = ChatEngine(loaded, f"bench {spec}", batcher=batchers[schedulers[0]])
     engine.stream_interval = args.stream_interval
-    settings = replace(
-        GENERATION_PRESETS[args.preset], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens
-    )
-    faithful = replace(
-        GENERATION_PRESETS["faithful"], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens
-    )
-    other = (args.faithful_every, faithful)
+
+    def forced(preset: str):  # every reply exactly --reply_tokens long
+        return replace(GENERATION_PRESETS[preset], min_new_tokens=args.reply_tokens, max_new_tokens=args.reply_tokens)
+
+    settings = forced(args.preset)
+    other = (args.faithful_every, forced("faithful"))
     counts = [int(c) for c in args.concurrency.split(",")]
     if args.faithful_every and not 2 <= args.faithful_every <= args.prompts:
         parser.error("--faithful_every must be from 2 to --prompts (the other chats ask for --preset)")
