@@ -26,14 +26,13 @@ builds it wherever it would build its own Linear.
 from __future__ import annotations
 
 import contextvars
-import functools
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear
 
-from chat.optimize import Int8Linear, int8_call
+from chat.optimize import Int8Linear
 
 _PEFT = ("peft",)  # this layer's calls go through peft's forward
 BASE = "__base__"  # peft's name for a row that no adapter changes
@@ -69,9 +68,9 @@ class ServedLoraLinear(Linear):
         if not self.lean or self.merged:
             return _PEFT
         base = self.get_base_layer()
-        # An int8 layer is torch.ao's module in an nn.Linear shell: call the module itself through
-        # int8_call (the shell's forward does nothing else; each row on its own scale inside rows_apart).
-        base = functools.partial(int8_call, base.quantized) if isinstance(base, Int8Linear) else base
+        # An int8 layer's forward needs no module call around it (no hooks on these shells): call it
+        # directly (each row on its own scale inside rows_apart; its columns of a shared call).
+        base = base.forward if isinstance(base, Int8Linear) else base
         active = [name for name in self.active_adapters if name in self.lora_A]
         if self.disable_adapters or not active:
             return ("base", base)
