@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from chat.fastgen import run_processors
+
 PROMPT = 1  # the decoder's prompt: its start token
 
 
 class BeamRows:
     """One beam-search request's hypotheses: transformers' ``_beam_search`` state for a batch of one."""
+
+    plain = None  # not a greedy row (chat.rows.choose_plain)
 
     def __init__(self, request, model, start_id: int, processors, stop, config):
         self.request, self.model = request, model
@@ -58,7 +62,8 @@ class BeamRows:
     def choose(self, logits: torch.Tensor) -> bool:
         """One step of ``_beam_search`` (its comments' b. to g.) on this request's logits (k, vocab)."""
         model, k, cur = self.model, self.width, self.cur_len
-        log_probs = self.processors(self.running[0, :, :cur], torch.nn.functional.log_softmax(logits, dim=-1))
+        log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
+        log_probs = run_processors(self.processors, self.running[0, :, :cur], log_probs)
         log_probs = (log_probs[None] + self.running_scores[:, :, None]).reshape(1, -1)
         topk_log_probs, topk_sequences, topk_indices = model._get_top_k_continuations(
             accumulated_log_probs=log_probs,

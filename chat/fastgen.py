@@ -76,6 +76,15 @@ class NoRepeatNGram(LogitsProcessor):
         return _ban(scores, matches, windows[..., -1])
 
 
+def run_processors(processors, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``processors(ids, scores)`` (a ``LogitsProcessorList``) without the list's signature inspection
+    of every processor on every call (~40 us a row per step): generate() hands processors no other
+    arguments, so each is called with the ids and scores alone, in order, as the list then does."""
+    for processor in processors:
+        scores = processor(ids, scores)
+    return scores
+
+
 class EncoderNoRepeatNGram(LogitsProcessor):
     """No n-gram of size ``n`` from the encoder input is repeated in the output."""
 

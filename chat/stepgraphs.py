@@ -54,8 +54,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from chat.batching import Request, hand_ids
-from chat.greedy import UNPROCESSED, choose_greedy, plain_settings
-from chat.rows import Row
+from chat.greedy import UNPROCESSED, choose_greedy
+from chat.rows import Row, eos_of
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,7 @@ class SlotBatch:
         self.column_index = torch.arange(self.columns, device=device)
         self.choice = torch.zeros(c, dtype=long, device=device)
         self.logits = torch.zeros(c, self.vocab, device=device)
-        eos = model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.eos = eos_of(model)
         self.eos_mask = torch.zeros(self.vocab, dtype=torch.bool, device=device)
         self.eos_mask[list(self.eos)] = True
         self.slots: list = [None] * c  # the row in each slot
@@ -150,7 +149,6 @@ class SlotBatch:
         self.cache_bytes = per_row * c
         self.replays = 0
         self.joins_replayed = 0
-        self._plain: dict = {}  # _plain_settings' answers
         self._flight = None  # the step started and not yet collected: (rows, width, rows choosing on the host)
 
     @property
@@ -176,7 +174,7 @@ class SlotBatch:
             row = Row(request, model, start)
             if row.source > self.sources:
                 raise ValueError(f"a source of {row.source} tokens is over the encoder's {self.sources} positions")
-            row.slot, row.plain, row.tokens = slot, self._plain_settings(row), [start]
+            row.slot, row.tokens = slot, [start]
             groups.setdefault(id(request.loaded), []).append(row)
         try:
             for rows in groups.values():
@@ -187,16 +185,6 @@ class SlotBatch:
         for rows in groups.values():
             for row in rows:
                 self.slots[row.slot] = row
-
-    def _plain_settings(self, row) -> dict | None:
-        """``plain_settings`` of the row, once per set of processors (rows of the same settings
-        share theirs: ``chat.rows.settings``)."""
-        key = (id(row.processors), id(row.stop), row.sample)
-        if key not in self._plain:
-            if len(self._plain) >= 64:
-                self._plain.clear()
-            self._plain[key] = (row.processors, row.stop, plain_settings(row, self.eos))  # (kept: ids stay theirs)
-        return self._plain[key][2]
 
     def _join(self, rows: list) -> None:
         """Copy the rows' sources and settings to the device (two transfers) and run ``_join_body``

@@ -34,6 +34,7 @@ A request's settings become transformers' processors in ``chat.rows``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -47,7 +48,7 @@ from transformers import EncoderDecoderCache
 from chat import stepgraphs
 from chat.batching import Batcher, Request
 from chat.optimize import rows_apart
-from chat.rows import beams_of, member
+from chat.rows import beams_of, choose_plain, eos_of, member
 
 log = logging.getLogger(__name__)
 
@@ -131,30 +132,54 @@ class _Batch:
         self.rows: list = []  # chat.rows' members: a Row, or a beam search's BeamRows
         self.self_attention = _SelfAttention(len(self.decoder.layers))
         self.cross: list[_Layer] = []  # per layer, rows padded to the longest source
+        self.eos = eos_of(model)
+        self.eos_mask: torch.Tensor | None = None
 
-    def join(self, request: Request) -> None:
-        """Encode the request's source alone and add its cross-attention keys/values as new rows
-        (one, or one per beam: the same for each)."""
+    def _choose_plain(self, rows: list, starts: list[int], logits: torch.Tensor) -> dict[int, int]:
+        """The next token of each plain greedy row (by the row's id), all in one pass (chat.greedy)."""
+        plain = [(row, start) for row, start in zip(rows, starts) if row.plain is not None]
+        if not plain:
+            return {}
+        if self.eos_mask is None or len(self.eos_mask) != logits.shape[1]:
+            self.eos_mask = torch.zeros(logits.shape[1], dtype=torch.bool)
+            self.eos_mask[list(self.eos)] = True
+        tokens = choose_plain([row for row, _ in plain], logits[[start for _, start in plain]], self.eos_mask)
+        return {id(row): token for (row, _), token in zip(plain, tokens)}
+
+    def join(self, requests: list[Request]) -> list[tuple[Request, BaseException]]:
+        """Encode each request's source alone and add its cross-attention keys/values as new rows
+        (one, or one per beam: the same for each), all of them in one copy of the caches; returns
+        the requests that could not join, each with its error (the others join)."""
         model = self.model
-        row = member(request, model, model.generation_config.decoder_start_token_id)
-        encoded = {k: v.to(model.device) for k, v in request.encoded.items()}
-        with request.loaded.activated():  # its adapter's projections (or none) for its encoder states
-            layers = cross_keys_values(self.decoder, model.get_encoder()(**encoded).last_hidden_state)
-        width = max([row.source, *(r.source for r in self.rows)])
-        joined = []
-        for i, (k, v) in enumerate(layers):
-            k, v = k.expand(row.width, -1, -1, -1), v.expand(row.width, -1, -1, -1)
-            if self.cross:  # the running rows' keys/values, then the new row's, padded to one width
-                k = torch.cat([_widen(self.cross[i].keys, width), _widen(k, width)])
-                v = torch.cat([_widen(self.cross[i].values, width), _widen(v, width)])
-            joined.append(_Layer(k, v))
-        self.cross = joined
+        new, failed = [], []
+        for request in requests:
+            try:
+                row = member(request, model, model.generation_config.decoder_start_token_id)
+                encoded = {k: v.to(model.device) for k, v in request.encoded.items()}
+                with request.loaded.activated():  # its adapter's projections (or none) for its encoder states
+                    hidden = model.get_encoder()(**encoded).last_hidden_state
+                    new.append((row, cross_keys_values(self.decoder, hidden)))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                failed.append((request, err))
+        if not new:
+            return failed
+        rows = [row for row, _ in new]
+        width = max(row.source for row in [*rows, *self.rows])
+        cross = []  # built whole before anything is replaced: a failure leaves the batch as it was
+        for i, layer in enumerate(self.cross or [None] * len(self.decoder.layers)):
+            keys, values = ([], []) if layer is None else ([layer.keys], [layer.values])
+            for row, layers in new:
+                k, v = layers[i]
+                keys.append(k.expand(row.width, -1, -1, -1))
+                values.append(v.expand(row.width, -1, -1, -1))
+            cross.append(_Layer(_stacked(keys, width), _stacked(values, width)))
         sa = self.self_attention
-        for i, k in enumerate(sa.keys):
-            if k is not None:
-                pad = k.new_zeros((row.width, *k.shape[1:]))
-                sa.keys[i], sa.values[i] = torch.cat([k, pad]), torch.cat([sa.values[i], pad])
-        self.rows.append(row)
+        added = _size(rows)
+        grown = [None if k is None else _stacked([k], k.shape[2], len(k) + added) for k in sa.keys + sa.values]
+        self.cross = cross
+        sa.keys, sa.values = grown[: len(sa.keys)], grown[len(sa.keys) :]
+        self.rows += rows
+        return failed
 
     def step(self) -> list:
         """One decoder step for every row; returns the rows that finished (already left)."""
@@ -180,14 +205,19 @@ class _Batch:
                 hidden = out[0] if isinstance(out, tuple) else out
             logits = model.lm_head(decoder.layer_norm(hidden)) + model.final_logits_bias.to(hidden.device)
         logits = logits[:, -1].to(copy=True, dtype=torch.float32, device="cpu")
-        done, start, order = [], 0, None
-        for row in rows:
-            if row.choose(logits[start : start + row.width]):
+        starts = list(itertools.accumulate((row.width for row in rows), initial=0))
+        chosen = self._choose_plain(rows, starts, logits)
+        done, order = [], None
+        for row, start in zip(rows, starts):
+            if row.plain is not None:
+                finished = row.take(chosen[id(row)], self.eos)
+            else:  # its own processors (sampling, beam search, rules chat.greedy does not know)
+                finished = row.choose(logits[start : start + row.width])
+            if finished:
                 done.append(row)
             if row.order is not None:  # beams that go on read their parents' cache rows
                 order = list(range(len(lengths))) if order is None else order
                 order[start : start + row.width] = [start + i for i in row.order.tolist()]
-            start += row.width
         if order is not None and order != list(range(len(order))):
             index = torch.tensor(order, device=sa.keys[0].device)
             sa.keys = [k.index_select(0, index) for k in sa.keys]
@@ -233,9 +263,17 @@ def cross_keys_values(decoder, hidden: torch.Tensor) -> list[tuple[torch.Tensor,
     return out
 
 
-def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Keys/values (rows, heads, positions, dim) zero-padded to ``width`` positions."""
-    return t if t.shape[2] == width else torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
+def _stacked(parts: list[torch.Tensor], width: int, rows: int | None = None) -> torch.Tensor:
+    """Keys/values (rows, heads, positions, dim) one after another in one new tensor of ``rows``
+    rows (default: theirs), each zero-padded to ``width`` positions: one copy of each."""
+    first = parts[0]
+    rows = sum(len(p) for p in parts) if rows is None else rows
+    out = first.new_zeros((rows, first.shape[1], width, first.shape[3]))
+    start = 0
+    for part in parts:
+        out[start : start + len(part), :, : part.shape[2]] = part
+        start += len(part)
+    return out
 
 
 def _mask(visible: torch.Tensor, dtype) -> torch.Tensor | None:
@@ -361,13 +399,14 @@ class StepBatcher:
             joining.append(request)
             room -= rows
         held += requests[len(joining) :]
-        if isinstance(batch, _Batch):  # one at a time: each encoded alone
-            for request in joining:
-                try:
-                    with torch.inference_mode():
-                        batch.join(request)
-                except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                    _fail(request, err)
+        if isinstance(batch, _Batch):  # each encoded alone, the caches copied once for all
+            try:
+                with torch.inference_mode():
+                    failed = batch.join(joining)
+            except BaseException as err:  # noqa: BLE001 - the caches could not grow: none joined
+                failed = [(request, err) for request in joining]
+            for request, err in failed:
+                _fail(request, err)
         elif joining:  # slots: encoded together
             try:
                 with torch.inference_mode():

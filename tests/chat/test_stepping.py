@@ -290,3 +290,29 @@ def test_the_servers_concurrency_setting(monkeypatch):
     for bad in ("0", "-3", "many", "2000", "1.5"):
         with pytest.raises(ValueError, match="CHAT_CONCURRENCY"):
             concurrency(bad)
+
+
+def test_requests_joining_at_once_are_each_encoded_alone_and_a_failing_one_leaves_the_others(demo, static):
+    """The loop lets all arrived requests join between two steps (the caches grow once for all);
+    one that cannot join fails alone, and the others reply as generate() alone."""
+    import torch
+
+    from chat.batching import Request
+    from chat.stepping import _Batch
+
+    engine = ChatEngine(demo, "test", batcher=static)
+    first, *joining = [Request(demo, *inputs(engine, i)) for i in (0, 2, 4)]  # plain, no n-grams, encoder rule
+    encoded, kwargs = inputs(engine, 1)
+    bad = Request(demo, encoded, {**kwargs, "top_k": -3, "do_sample": True})
+    batch = _Batch(demo.model)
+    replies = {}
+    with torch.inference_mode():
+        assert batch.join([first]) == []
+        batch.step()  # the first request is one token in when the others join (the base model: no adapter)
+        failed = batch.join([joining[0], bad, joining[1]])
+        assert [request for request, _ in failed] == [bad] and isinstance(failed[0][1], ValueError)
+        assert [row.request for row in batch.rows] == [first, *joining]
+        while batch.rows:
+            replies.update({id(row.request): row.ids[0].tolist() for row in batch.step()})
+    for i, request in zip((0, 2, 4), [first, *joining]):
+        assert replies[id(request)] == alone(static, demo, *inputs(engine, i))
