@@ -268,16 +268,19 @@ def row_qparams(
     that its quantizing multiplies by, as float32 columns; None where a row needs aten's small-scale
     special case."""
     columns = _row_columns(x2, groups)
-    return None if columns is None else tuple(columns[:3, :, None].float())
+    if columns is None:
+        return None
+    (scale, _, _), (zero, inverse) = columns[0][:, :, None], columns[1][:, :, None].float()
+    return scale, zero, inverse
 
 
-def _row_columns(x2: torch.Tensor, groups: tuple[int, ...] | None) -> torch.Tensor | None:
-    """``row_qparams``' scale, zero point and inverse scale, then ``1 - scale`` and ``-scale * zero``
-    (``int8_call``'s rescaling), one float64 row each (float32 values but the last two), a column
-    per row of ``x2``. aten's
-    ChooseQuantizationParams in plain Python: its doubles are Python floats, its float32 roundings
-    ``array("f")``'s (a loop over a step's few rows costs microseconds where tensor or numpy
-    operations cost tens; torch.aminmax is several times slower than amin and amax)."""
+def _row_columns(x2: torch.Tensor, groups: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``row_qparams`` for ``int8_call``: each row's scale, ``1 - scale`` and ``-scale * zero`` (its
+    rescaling) as the float32 rows of one tensor, its zero point and inverse scale (its quantizing)
+    as the float64 rows of another, a column per row of ``x2``. aten's ChooseQuantizationParams in
+    plain Python: its doubles are Python floats, its float32 roundings ``array("f")``'s (a loop over
+    a step's few rows costs microseconds where tensor or numpy operations cost tens; torch.aminmax
+    is several times slower than amin and amax)."""
     low, high = x2.amin(1).tolist(), x2.amax(1).tolist()
     if groups:  # a group's range is its rows'
         bounds = list(itertools.accumulate(groups, initial=0))
@@ -289,16 +292,21 @@ def _row_columns(x2: torch.Tensor, groups: tuple[int, ...] | None) -> torch.Tens
         return None
     zeros = []
     for lo, hi, scale in zip(low, high, scales):
+        # aten takes the zero point from the end whose term is smaller: -|lo / s| < QMAX - |hi / s|
+        # (lo <= 0 <= hi here, so that is from_min's negation against from_max).
         from_min, from_max = -lo / scale, QMAX - hi / scale
-        zero = from_min if -abs(lo / scale) < QMAX - abs(hi / scale) else from_max
+        zero = from_min if -from_min < from_max else from_max
         zeros.append(round(min(max(zero, 0.0), QMAX)))  # Python's round: half to even, as aten's
     # 1 / scale in doubles rounded to float32 is the float32 division fbgemm makes (double rounding
     # is exact for a division when the wider format has over twice the bits).
     inverses = array("f", [1.0 / scale for scale in scales]).tolist()
-    columns = [scales, zeros, inverses, [1.0 - s for s in scales], [-s * z for s, z in zip(scales, zeros)]]
-    if groups:
-        columns = [[value for value, size in zip(column, groups) for _ in range(size)] for column in columns]
-    return torch.tensor(columns, dtype=torch.float64)
+    rescale = [scales, [1.0 - s for s in scales], [-s * z for s, z in zip(scales, zeros)]]
+    quantize = [zeros, inverses]
+    if groups:  # each group's values for each of its rows
+        rescale, quantize = (
+            [[v for v, n in zip(c, groups) for _ in range(n)] for c in cs] for cs in (rescale, quantize)
+        )
+    return torch.tensor(rescale), torch.tensor(quantize, dtype=torch.float64)
 
 
 def _row_terms(quantized: nn.Module) -> torch.Tensor | None:
@@ -342,13 +350,13 @@ def int8_call(quantized: nn.Module, x: torch.Tensor) -> torch.Tensor:
     terms = _row_terms(quantized)
     columns = _row_columns(x.reshape(x.shape[0], -1), groups) if terms is not None else None
     out = None
-    if columns is not None:  # each a column of a value per row, broadcast over the row's positions
-        wide = columns.view(5, x.shape[0], *(1,) * (x.dim() - 1))
-        scale, _, _, keep, take = wide.float()
+    if columns is not None:  # columns of a value per row, broadcast over the row's positions
+        shape = (x.shape[0],) + (1,) * (x.dim() - 1)
+        (scale, keep, take), (zero, inverse) = columns[0].view(3, *shape), columns[1].view(2, *shape)
         # x * inverse + zero rounded once, as fbgemm's fused multiply-add: the float64 product of two
         # float32 is exact, and its sum with the integer zero point rounds (float64, then float32)
         # to the fused result but within 2^-53 of a float32 half-way point.
-        out = _on_grid(quantized, torch.addcmul(wide[1], x, wide[2]).float())
+        out = _on_grid(quantized, torch.addcmul(zero, x, inverse).float())
     if out is None:
         bounds = list(itertools.accumulate(groups or (1,) * x.shape[0], initial=0))
         return torch.cat([quantized(x[a:b]) for a, b in zip(bounds, bounds[1:])])

@@ -316,3 +316,33 @@ def test_requests_joining_at_once_are_each_encoded_alone_and_a_failing_one_leave
             replies.update({id(row.request): row.ids[0].tolist() for row in batch.step()})
     for i, request in zip((0, 2, 4), [first, *joining]):
         assert replies[id(request)] == alone(static, demo, *inputs(engine, i))
+
+
+def test_the_self_attention_cache_reads_as_its_columns_concatenated():
+    """Its columns are written into spare room (moved to a new buffer when it runs out); rows leave,
+    reorder and join, and old columns are dropped, as the step loop asks."""
+    import torch
+
+    from chat.stepping import _SelfAttention
+
+    cache, want = _SelfAttention(2), [None, None]
+    g = torch.Generator().manual_seed(0)
+    for step in range(3 * _SelfAttention.SPARE):
+        rows = len(want[0][0]) if want[0] is not None else 3
+        for layer in range(2):
+            key, value = torch.randn(rows, 2, 1, 4, generator=g), torch.randn(rows, 2, 1, 4, generator=g)
+            got = cache.update(key, value, layer)
+            old = want[layer]
+            want[layer] = (
+                (key, value) if old is None else tuple(torch.cat([o, n], 2) for o, n in zip(old, (key, value)))
+            )
+            assert all(torch.equal(a, b) for a, b in zip(got, want[layer]))
+            assert torch.equal(cache.keys[layer], want[layer][0]) and torch.equal(cache.values[layer], want[layer][1])
+        if step == 5:  # only the last 4 columns are read from now on
+            cache.keep(4)
+            want = [(k[:, :, -4:], v[:, :, -4:]) for k, v in want]
+        if step == 9:  # row 1 leaves, rows 2 and 0 swap, two rows join
+            cache.rows(torch.tensor([2, 0]), added=2)
+            want = [tuple(torch.cat([t[[2, 0]], torch.zeros(2, *t.shape[1:])]) for t in pair) for pair in want]
+        if step > 9:
+            assert all(torch.equal(t, w) for t, w in zip((cache.keys[0], cache.values[0]), want[0]))
