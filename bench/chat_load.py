@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter_r", type=int, default=8)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.stream_interval is not None and args.stream_interval < 0:
+        parser.error("--stream_interval must be 0 (every token) or more seconds")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.switch_interval:

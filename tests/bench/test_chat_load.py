@@ -4,6 +4,8 @@ running app; a torch call beside busy threads."""
 
 import json
 
+import pytest
+
 from bench import chat_load, chat_serve, gil_wait
 from chat.engine import DEMO_DIR
 
@@ -37,13 +39,16 @@ def test_serve_smoke_engine_and_app(tmp_path, capsys):
     assert "engine alone" in capsys.readouterr().out
 
 
-def test_load_smoke_serial_steps_and_a_stream_interval(tmp_path):
+def test_load_smoke_serial_steps_and_a_stream_interval(tmp_path, capsys):
     out = tmp_path / "load.json"
     argv = ["--model", str(DEMO_DIR), "--schedulers", "step-serial,step", "--concurrency", "2", "--replies", "2"]
     assert chat_load.main([*argv, "--reply_tokens", "5", "--stream_interval", "0.05", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert [r["scheduler"] for r in data["results"]] == ["step-serial", "step"]
     assert data["results"][0]["texts"] == data["results"][1]["texts"] and "every 0.05 s" in data["header"]
+    with pytest.raises(SystemExit):  # argparse's error: a negative interval is no interval
+        chat_load.main([*argv, "--stream_interval", "-1"])
+    assert "--stream_interval must be 0 (every token) or more seconds" in capsys.readouterr().err
 
 
 def test_gil_wait_smoke(tmp_path):
