@@ -6,16 +6,19 @@ moment after a batch started waits for all of it, and only requests with identic
 one. Here one worker thread runs its own decoding loop over the model's parts:
 
 * a joining request's source is encoded alone (as ``generate()`` alone would), and each decoder
-  layer's cross-attention keys/values are projected from it once (``_Batch.join``);
+  layer's cross-attention keys/values are projected from it once; the requests that arrived
+  between two steps join together, the caches grown once for all (``_Batch.join``);
 * every step runs the decoder's layers once for all rows, each at its own position, over a
   self-attention cache whose rows are right-aligned (a row's history ends at the newest column; a
-  younger row's older columns are masked) and a cross-attention cache padded to the longest source;
-  columns no row needs any more are dropped, so the cache spans the oldest row's reply at most;
+  younger row's older columns are masked; columns are written into spare room, ``_SelfAttention``)
+  and a cross-attention cache padded to the longest source; columns no row needs any more are
+  dropped, so the cache spans the oldest row's reply at most;
 * each row's logits go through that row's own logits processors and stopping criteria, built by
   transformers' generate() helpers from the row's generate() kwargs (repetition penalty, n-gram
   blocking, min length, temperature, top-p, forced EOS: exactly what ``generate()`` alone would
   apply), then argmax or sampling with the row's own ``torch.Generator`` (seeded: reproducible
-  whatever else runs beside it).
+  whatever else runs beside it). Greedy rows whose processors are only those go through one pass
+  for all rows (``chat.greedy.choose_greedy``, as the GPU's slots: the same choices).
 
 Greedy replies are those of ``generate()`` alone (tests/chat/test_stepping.py: token for token on
 the demo model in fp32, joining mid-flight included). Beam search (``faithful``) goes to the static
