@@ -1,6 +1,8 @@
 """A request's rows in the step loop (``chat.stepping``): its generate() kwargs made into
 transformers' own logits processors and stopping criteria, as generate() alone builds them, and the
 row that applies them to its logits each step (``Row``; a beam search is ``chat.beams.BeamRows``).
+Greedy rows whose processors ``chat.greedy`` knows as numbers (``Row.plain``) take their tokens from
+one pass over all such rows instead (``choose_plain``: the same choices).
 
 Private transformers helpers used (pinned by tests/chat/test_stepping.py): ``_prepare_generation_config``,
 ``_prepare_special_tokens``, ``_prepare_generated_length``, ``_get_logits_processor``,
