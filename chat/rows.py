@@ -86,6 +86,13 @@ def eos_of(model) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos])
 
 
+def eos_mask(eos: set[int], vocab: int, device=None) -> torch.Tensor:
+    """(vocab,) True at the EOS ids: ``choose_plain``'s (``chat.greedy.choose_greedy``'s) mask."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[list(eos)] = True
+    return mask
+
+
 _PLAIN: dict = {}  # plain_of's answers: (processors, stop, sample, eos) ids -> (processors, stop, answer)
 
 

@@ -55,7 +55,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from chat.batching import Request, hand_ids
 from chat.greedy import UNPROCESSED, choose_greedy
-from chat.rows import Row, eos_of
+from chat.rows import Row, eos_mask, eos_of
+from chat.stepcache import Layer, StepCache, cross_keys_values
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,7 @@ class SlotBatch:
         self.choice = torch.zeros(c, dtype=long, device=device)
         self.logits = torch.zeros(c, self.vocab, device=device)
         self.eos = eos_of(model)
-        self.eos_mask = torch.zeros(self.vocab, dtype=torch.bool, device=device)
-        self.eos_mask[list(self.eos)] = True
+        self.eos_mask = eos_mask(self.eos, self.vocab, device)
         self.slots: list = [None] * c  # the row in each slot
         self.graphs_on = graphs and device.type == "cuda"
         self._graphs: dict = {}  # _forward's arguments -> CUDAGraph, or None where capture failed
@@ -226,8 +226,6 @@ class SlotBatch:
         model, sources = self.model, self.sources
         staged = self.staged[:n]
         ids, mask, slots = staged[:, :width], staged[:, sources : sources + width], staged[:, 2 * sources]
-        from chat.stepping import cross_keys_values
-
         hidden = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         for i, (k, v) in enumerate(cross_keys_values(model.get_decoder(), hidden)):
             self.cross_keys[i][:, :, :width].index_copy_(0, slots, k)
@@ -253,8 +251,6 @@ class SlotBatch:
         running row): logits into ``self.logits``, the batched greedy choice into ``self.choice``
         and, ``advance``, each row on by that choice (every row greedy). Reads and writes only
         fixed-address tensors (a graph body)."""
-        from chat.stepping import _Layer, _StepCache
-
         model = self.model
         decoder = model.get_decoder()
         length, tokens = self.length[:width], self.tokens[:width]
@@ -266,10 +262,10 @@ class SlotBatch:
         visible = self.column_index[None, :columns] < length[:, None]
         self_mask = torch.where(visible, 0.0, low).to(dtype)[:, None, None]
         cross = [
-            _Layer(k[:width, :, :sources], v[:width, :, :sources]) for k, v in zip(self.cross_keys, self.cross_values)
+            Layer(k[:width, :, :sources], v[:width, :, :sources]) for k, v in zip(self.cross_keys, self.cross_values)
         ]
         keys, values = [k[:width] for k in self.self_keys], [v[:width] for v in self.self_values]
-        cache = _StepCache(_SlotSelfAttention(keys, values, self.slot_index[:width], positions, columns), cross)
+        cache = StepCache(_SlotSelfAttention(keys, values, self.slot_index[:width], positions, columns), cross)
         cross_mask = self.cross_mask[:width, ..., :sources]
         # One query per row: fused attention kernels tile over queries and waste most of their
         # work here; PyTorch's plain math path (two batched products) reads each key once.

@@ -10,7 +10,7 @@ one. Here one worker thread runs its own decoding loop over the model's parts:
   between two steps join together, the caches grown once for all (``_Batch.join``);
 * every step runs the decoder's layers once for all rows, each at its own position, over a
   self-attention cache whose rows are right-aligned (a row's history ends at the newest column; a
-  younger row's older columns are masked; columns are written into spare room, ``_SelfAttention``)
+  younger row's older columns are masked; columns are written into spare room, ``chat.stepcache``)
   and a cross-attention cache padded to the longest source; columns no row needs any more are
   dropped, so the cache spans the oldest row's reply at most;
 * each row's logits go through that row's own logits processors and stopping criteria, built by
@@ -46,12 +46,12 @@ from concurrent.futures import Future
 from contextlib import nullcontext
 
 import torch
-from transformers import EncoderDecoderCache
 
 from chat import stepgraphs
 from chat.batching import Batcher, Request
 from chat.optimize import rows_apart
-from chat.rows import beams_of, choose_plain, eos_of, member
+from chat.rows import beams_of, choose_plain, eos_mask, eos_of, member
+from chat.stepcache import Layer, SelfAttention, StepCache, cross_keys_values, stacked
 
 log = logging.getLogger(__name__)
 
@@ -95,77 +95,6 @@ def scheduler(value: str | None = None) -> str:
     return value
 
 
-class _SelfAttention:
-    """The decoder's self-attention cache for all rows, right-aligned: after a step a row's keys
-    are the last ``lengths[row]`` columns. Duck-typed for ``BlenderbotAttention`` (``update``).
-
-    Each layer's keys and values (``keys[i]``, ``values[i]``) are views of buffers with spare
-    columns on the right: a step writes its column into them (~6 us a layer for 8 rows) where a
-    concatenation copied the whole cache (~37 us); every ``SPARE`` steps the live columns move to a
-    new buffer with room again."""
-
-    SPARE = 8
-
-    def __init__(self, layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * layers
-        self.values: list[torch.Tensor | None] = [None] * layers
-        self._room: list[tuple | None] = [None] * layers  # (key buffer, value buffer, start, stop)
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        room, new = self._room[layer_idx], key.shape[2]
-        if room is None or room[3] + new > room[0].shape[2]:  # no buffer, or no room left in it
-            live = (self.keys[layer_idx], self.values[layer_idx]) if room is not None else None
-            n = 0 if live is None else live[0].shape[2]
-            buffers = []
-            for old, fresh in zip(live or (None, None), (key, value)):
-                buffer = fresh.new_empty((fresh.shape[0], fresh.shape[1], n + new + self.SPARE, fresh.shape[3]))
-                if n:
-                    buffer[:, :, :n] = old
-                buffers.append(buffer)
-            room = (*buffers, 0, n)
-        k, v, start, stop = room
-        k[:, :, stop : stop + new], v[:, :, stop : stop + new] = key, value
-        self._set(layer_idx, (k, v, start, stop + new))
-        return self.keys[layer_idx], self.values[layer_idx]
-
-    def _set(self, i: int, room: tuple) -> None:
-        k, v, start, stop = self._room[i] = room
-        self.keys[i], self.values[i] = k[:, :, start:stop], v[:, :, start:stop]
-
-    def keep(self, columns: int) -> None:
-        """Keep each row's last ``columns`` columns (no row reads the older ones any more)."""
-        for i, room in enumerate(self._room):
-            if room is not None:
-                self._set(i, (room[0], room[1], max(room[2], room[3] - columns), room[3]))
-
-    def rows(self, index: torch.Tensor | None = None, added: int = 0) -> None:
-        """Keep the rows ``index`` picks, in its order (None: all), then add ``added`` rows of zeros."""
-        for i, room in enumerate(self._room):
-            if room is None:
-                continue
-            k, v, start, stop = room
-            if index is not None:
-                k, v = k.index_select(0, index), v.index_select(0, index)
-            if added:
-                k, v = (torch.cat([t, t.new_zeros((added, *t.shape[1:]))]) for t in (k, v))
-            self._set(i, (k, v, start, stop))
-
-
-class _Layer:
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-
-
-class _StepCache(EncoderDecoderCache):
-    """What a decoder layer reads: our self-attention cache and a filled cross-attention one.
-    (No ``EncoderDecoderCache.__init__``: the layers only read these three attributes.)"""
-
-    def __init__(self, self_attention: _SelfAttention, cross: list[_Layer]):  # noqa: D107
-        self.self_attention_cache = self_attention
-        self.cross_attention_cache = type("Cross", (), {"layers": cross})()
-        self.is_updated = dict.fromkeys(range(len(cross)), True)
-
-
 class _Batch:
     """The running rows of one model object (a base and the adapters on it) and their caches."""
 
@@ -173,8 +102,8 @@ class _Batch:
         self.model = model
         self.decoder = model.get_decoder()
         self.rows: list = []  # chat.rows' members: a Row, or a beam search's BeamRows
-        self.self_attention = _SelfAttention(len(self.decoder.layers))
-        self.cross: list[_Layer] = []  # per layer, rows padded to the longest source
+        self.self_attention = SelfAttention(len(self.decoder.layers))
+        self.cross: list[Layer] = []  # per layer, rows padded to the longest source
         self.eos = eos_of(model)
         self.eos_mask: torch.Tensor | None = None
 
@@ -184,8 +113,7 @@ class _Batch:
         if not plain:
             return {}
         if self.eos_mask is None or len(self.eos_mask) != logits.shape[1]:
-            self.eos_mask = torch.zeros(logits.shape[1], dtype=torch.bool)
-            self.eos_mask[list(self.eos)] = True
+            self.eos_mask = eos_mask(self.eos, logits.shape[1])
         tokens = choose_plain([row for row, _ in plain], logits[[start for _, start in plain]], self.eos_mask)
         return {id(row): token for (row, _), token in zip(plain, tokens)}
 
@@ -215,9 +143,9 @@ class _Batch:
                 k, v = layers[i]
                 keys.append(k.expand(row.width, -1, -1, -1))
                 values.append(v.expand(row.width, -1, -1, -1))
-            cross.append(_Layer(_stacked(keys, width), _stacked(values, width)))
-        self.cross = cross
+            cross.append(Layer(stacked(keys, width), stacked(values, width)))
         self.self_attention.rows(added=_size(rows))
+        self.cross = cross
         self.rows += rows
         return failed
 
@@ -236,7 +164,7 @@ class _Batch:
         tokens = torch.cat([row.last() for row in rows]).to(model.device)
         positions = (lengths - 1)[:, None].to(model.device)
         hidden = decoder.embed_tokens(tokens) + decoder.embed_positions(tokens.shape, 0, position_ids=positions)
-        cache = _StepCache(sa, self.cross)
+        cache = StepCache(sa, self.cross)
         masks = [m if m is None else m.to(model.device) for m in (self_mask, cross_mask)]
         # A request's beams are quantized together (int8), as generate() alone runs them.
         with rows_apart(tuple(row.width for row in rows)) if len(rows) < len(lengths) else nullcontext():
@@ -282,33 +210,8 @@ class _Batch:
         rows = [r for i in kept for r in range(starts[i], starts[i + 1])]
         index = torch.tensor(rows, dtype=torch.long, device=self.cross[0].keys.device)
         width = max((row.source for row in self.rows), default=0)
-        self.cross = [_Layer(c.keys[index, :, :width], c.values[index, :, :width]) for c in self.cross]
+        self.cross = [Layer(c.keys[index, :, :width], c.values[index, :, :width]) for c in self.cross]
         self.self_attention.rows(index)
-
-
-def cross_keys_values(decoder, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each decoder layer's cross-attention keys and values (rows, heads, positions, dim) projected
-    from the encoder's output ``hidden`` (rows, positions, features): what the layers would project
-    at every step, done once."""
-    out = []
-    for layer in decoder.layers:
-        attn = layer.encoder_attn
-        shape = (*hidden.shape[:2], -1, attn.head_dim)
-        out.append((attn.k_proj(hidden).view(shape).transpose(1, 2), attn.v_proj(hidden).view(shape).transpose(1, 2)))
-    return out
-
-
-def _stacked(parts: list[torch.Tensor], width: int, rows: int | None = None) -> torch.Tensor:
-    """Keys/values (rows, heads, positions, dim) one after another in one new tensor of ``rows``
-    rows (default: theirs), each zero-padded to ``width`` positions: one copy of each."""
-    first = parts[0]
-    rows = sum(len(p) for p in parts) if rows is None else rows
-    out = first.new_zeros((rows, first.shape[1], width, first.shape[3]))
-    start = 0
-    for part in parts:
-        out[start : start + len(part), :, : part.shape[2]] = part
-        start += len(part)
-    return out
 
 
 def _mask(visible: torch.Tensor, dtype) -> torch.Tensor | None:

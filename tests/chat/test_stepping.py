@@ -323,11 +323,11 @@ def test_the_self_attention_cache_reads_as_its_columns_concatenated():
     reorder and join, and old columns are dropped, as the step loop asks."""
     import torch
 
-    from chat.stepping import _SelfAttention
+    from chat.stepcache import SelfAttention
 
-    cache, want = _SelfAttention(2), [None, None]
+    cache, want = SelfAttention(2), [None, None]
     g = torch.Generator().manual_seed(0)
-    for step in range(3 * _SelfAttention.SPARE):
+    for step in range(3 * SelfAttention.SPARE):
         rows = len(want[0][0]) if want[0] is not None else 3
         for layer in range(2):
             key, value = torch.randn(rows, 2, 1, 4, generator=g), torch.randn(rows, 2, 1, 4, generator=g)
