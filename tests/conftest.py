@@ -21,6 +21,23 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    """The suite is the CPU's on any machine; ``pytest -m gpu`` runs the GPU's tests.
+
+    Most tests check what the CPU serves (int8, rows quantized apart, a step loop's reply token for
+    token generate()'s alone): on a GPU host they would load their models onto the GPU (the
+    engine's default there) and check a path they were not written for. So unless the run selects
+    the ``gpu`` tests alone, CUDA is hidden before anything initializes it, for the tests and the
+    training runs they start (they inherit the environment)."""
+    if (config.getoption("markexpr") or "").strip() == "gpu":
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    if torch.cuda.is_available():  # initialized before this hook: the CPU tests would run on the GPU
+        raise pytest.UsageError("CUDA was initialized before the tests; run the GPU's tests with -m gpu")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Build presets into a fresh cache so the tests exercise the build itself."""
