@@ -39,14 +39,16 @@ from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.model import ModelLoadError
 from chat.stepping import StepBatcher
 
-SCHEDULERS = ("static", "step", "step-serial", "step-eager", "step-beams")
+SCHEDULERS = ("static", "step", "step-serial", "step-eager", "step-beams", "step-lanes")
 
 
 def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
     """``static``: generate() per batch; ``step``: the step loop (on a GPU in slots, steps replayed
     from CUDA graphs, the next started before a step's tokens are handed out); ``step-serial``: the
     same, one step at a time; ``step-eager``: the step loop without graphs; ``step-beams``: the step
-    loop with beam search in its steps (``StepBatcher.beams``; off by default)."""
+    loop with beam search in its steps (``StepBatcher.beams``; off by default); ``step-lanes``: on a
+    GPU adapters' rows in the slots too, each through its own adapter by lanes in recorded steps
+    (``StepBatcher.adapters_in_slots``; off by default)."""
     if scheduler == "static":
         return Batcher(max_batch=max_batch)
     if scheduler not in SCHEDULERS:
@@ -60,6 +62,8 @@ def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
         stepper.lookahead = False
     if scheduler == "step-beams":
         stepper.beams = True
+    if scheduler == "step-lanes":
+        stepper.adapters_in_slots = True
     return stepper
 
 
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chat_load", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="facebook/blenderbot-400M-distill", help="else random-400M offline")
     parser.add_argument("--optimize", default="none", help="none, bf16 or int8 (one)")
-    parser.add_argument("--schedulers", default="static,step", help="static, step, step-eager")
+    parser.add_argument("--schedulers", default="static,step", help=", ".join(SCHEDULERS))
     parser.add_argument("--concurrency", default="1,8", help="comma-separated client counts")
     parser.add_argument("--replies", type=int, default=16, help="replies per round (at least the clients)")
     parser.add_argument("--reply_tokens", type=int, default=24)

@@ -37,6 +37,13 @@ class Request:
     kwargs: dict
     streamer: BaseStreamer | None = None
     future: Future = field(default_factory=Future)
+    source: list[int] = field(init=False)  # the source's token ids without padding
+
+    def __post_init__(self):
+        # Read once, in the thread that submits (not the step loop's worker): the step loop's rows
+        # (chat.rows, chat.beams) take their length from it, the GPU's slots their encoder input.
+        ids, mask = self.encoded["input_ids"][0].tolist(), self.encoded["attention_mask"][0].tolist()
+        self.source = [t for t, m in zip(ids, mask) if m]
 
     @property
     def key(self):

@@ -37,7 +37,7 @@ class BeamRows:
         self.early_stopping, self.length_penalty = config.early_stopping, config.length_penalty
         self.max_length = config.max_length
         self.length = 0  # self-attention columns each hypothesis has
-        self.source = int(request.encoded["attention_mask"].sum())
+        self.source = len(request.source)
         self.order: torch.Tensor | None = None
         pad, eos = config._pad_token_tensor, config._eos_token_tensor
         fill = pad or eos[0] if eos is not None else -1  # generate()'s own choice, precedence and all

@@ -17,8 +17,10 @@ the layer's adapters change (``_plan``), not on every call:
   tests/chat/test_serving.py checks replies token for token against peft's PeftModel, and logits
   bit for bit against peft's own forward on the int8 base).
 
-Everything else (several adapters, DoRA and the other variants, mixed batches, bf16, the GPU, where
-CUDA graphs absorb the Python, training) goes through peft's forward. Installed with peft's
+Inside ``by_lanes`` (the GPU's slots, ``chat.stepgraphs``) every row of a batch goes through its own
+adapter from the layer's adapters stacked by lane: two dense products, the same for any mix of rows,
+so a recorded CUDA graph serves any mix. Everything else (several adapters, DoRA and the other
+variants, mixed batches of the CPU's step loop, bf16, training) goes through peft's forward. Installed with peft's
 custom-module hook (``LoraConfig._register_custom_module``) by ``chat.serving.Host.attach``, so peft
 builds it wherever it would build its own Linear.
 """
@@ -38,6 +40,8 @@ _PEFT = ("peft",)  # this layer's calls go through peft's forward
 BASE = "__base__"  # peft's name for a row that no adapter changes
 # Inside ``rows_of``: the adapter of each row of the batch (chat.stepping's mixed steps).
 _ROWS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("lora_rows", default=None)
+# Inside ``by_lanes``: (the host's lanes, the rank each lane's block holds, each row's 0/1 block mask).
+_LANES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("lora_lanes", default=None)
 
 
 @contextmanager
@@ -50,6 +54,37 @@ def rows_of(names: list[str | None]):
         yield
     finally:
         _ROWS.reset(token)
+
+
+@contextmanager
+def by_lanes(lanes: tuple[str | None, ...], rank: int, mask: torch.Tensor):
+    """Calls inside run each row of every input through its own adapter with no Python per adapter,
+    so that one recorded CUDA graph serves any mix of adapters (chat.stepgraphs' mixed steps).
+
+    ``lanes`` are the host's adapters by lane (``chat.serving.Host``; lane 0, the base, has none);
+    each layer stacks their A matrices into one (lanes-1) * ``rank`` x in matrix and their B
+    matrices, times the adapter's scaling, into one out x (lanes-1) * ``rank`` matrix (a lane's
+    block zero-padded to ``rank``; zero where the adapter leaves the layer alone). ``mask`` (rows x
+    (lanes-1) * ``rank``, the layer's dtype) is 1 on a row's own lane's block, else 0: the update
+    ``((x A^T) * mask) B^T`` is each row's own adapter's, exact zeros for the base's rows (the
+    gathered products of S-LoRA and Punica, as two dense products with a small inner size)."""
+    token = _LANES.set((lanes, rank, mask))
+    try:
+        yield
+    finally:
+        _LANES.reset(token)
+
+
+def lane_mask(lane: torch.Tensor, lanes: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """``by_lanes``' mask for rows in lanes ``lane`` (a device tensor, 0 for the base)."""
+    blocks = torch.arange(rank * (lanes - 1), device=lane.device) // rank + 1
+    return (lane[:, None] == blocks[None, :]).to(dtype)
+
+
+def stackable(layer: Linear, name: str) -> bool:
+    """Can ``by_lanes`` serve adapter ``name`` of this layer (plain LoRA: no variant such as DoRA, no
+    bias of its own)?"""
+    return name not in layer.lora_variant and not layer.lora_bias.get(name, False)
 
 
 class ServedLoraLinear(Linear):
@@ -84,6 +119,25 @@ class ServedLoraLinear(Linear):
 
     def _invalidate(self) -> None:
         self.__dict__["_plan"] = None
+        self.__dict__["_stacked"] = None
+
+    def _stacks(self, lanes: tuple, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's adapters by lane for ``by_lanes``: stacked A and scaled B (made once per set
+        of lanes; any change to the adapters makes them again)."""
+        made = self.__dict__.get("_stacked")
+        if made is not None and made[0] == (lanes, rank):
+            return made[1]
+        weight = next(iter(self.lora_A.values())).weight  # the adapters' dtype and place (as peft's forward)
+        a = torch.zeros((len(lanes) - 1) * rank, self.in_features, dtype=weight.dtype, device=weight.device)
+        b = torch.zeros(self.out_features, (len(lanes) - 1) * rank, dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            for lane, name in enumerate(lanes[1:]):
+                if name in self.lora_A:
+                    r = self.r[name]
+                    a[lane * rank : lane * rank + r] = self.lora_A[name].weight
+                    b[:, lane * rank : lane * rank + r] = self.lora_B[name].weight * self.scaling[name]
+        self.__dict__["_stacked"] = ((lanes, rank), (a, b))
+        return a, b
 
     # Whatever changes the adapters, their tensors or the module's place makes a new plan.
     def set_adapter(self, *args, **kwargs):
@@ -119,6 +173,13 @@ class ServedLoraLinear(Linear):
         return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        lanes = _LANES.get()
+        if lanes is not None and not args and not kwargs and self.lora_A:
+            a, b = self._stacks(lanes[0], lanes[1])
+            result = self.get_base_layer()(x)
+            down = F.linear(x.to(a.dtype), a)
+            mask = lanes[2].view(len(x), *([1] * (x.dim() - 2)), -1)  # a row's mask for each of its tokens
+            return result + F.linear(down * mask, b).to(result.dtype)
         rows = _ROWS.get()
         if rows is not None and not args and not kwargs and len(rows) == len(x):
             return super().forward(x, adapter_names=list(rows))

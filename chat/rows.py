@@ -49,7 +49,7 @@ class Row:
             self.generator = torch.Generator().manual_seed(int(seed))
         self.ids = torch.tensor([[start_id]])
         self.length = 0  # self-attention columns this row has
-        self.source = int(request.encoded["attention_mask"].sum())
+        self.source = len(request.source)
         # Greedy settings chat.greedy processes for all rows at once (None: this row's own processors).
         self.plain = plain_of(self, eos_of(model))
         if request.streamer is not None:

@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from chat.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_of, is_adapter_dir
 from chat.layout import FINAL
 from chat.loading import CheckpointError, LoadedModel, input_format, model_id, training_args
-from chat.lora import ServedLoraLinear, rows_of
+from chat.lora import ServedLoraLinear, rows_of, stackable
 from chat.model import MODEL_PRESETS, load_tokenizer, resolve
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,12 @@ class Host:
         self._active: tuple[str | None] | None = None  # what the LoRA layers have active (None: unknown)
         self._wrapped = False  # has peft put LoRA layers in the model yet?
         self._made = 0
+        # Lanes for steps of many adapters recorded once (``by_lanes``): an adapter keeps its lane
+        # while attached; lane 0 is the base. ``version`` counts the changes to the adapters'
+        # weights: a recorded step read stacks made from the weights of its version.
+        self._lanes: list[str | None] = [None]
+        self.version = 0
+        self._plan: tuple | None = None  # (version, the largest rank, adapters by_lanes cannot serve)
 
     def new_name(self) -> str:
         with self.lock:
@@ -213,6 +219,11 @@ class Host:
                 raise AdapterError(f"{label} does not fit {base_label}, the model found: {_why(err)}") from None
             size = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if f".{name}." in n)
             self._attached[name] = _Attached(folder, size, stamp)
+            if None in self._lanes[1:]:
+                self._lanes[self._lanes.index(None, 1)] = name
+            else:
+                self._lanes.append(name)
+            self.version += 1
             self._active = None  # injecting may leave other layers active than the ones set last
 
     def changed(self, name: str) -> bool:
@@ -242,6 +253,10 @@ class Host:
         delete_adapter(self.model, name, prefix="lora_")
         getattr(self.model, "peft_config", {}).pop(name, None)
         self._active = None
+        self._lanes = [None if held == name else held for held in self._lanes]
+        while len(self._lanes) > 1 and self._lanes[-1] is None:
+            self._lanes.pop()
+        self.version += 1
 
     # --- answering
     @contextmanager
@@ -264,15 +279,47 @@ class Host:
         """Run the body (one decoder step of a batch, ``chat.stepping``) with row ``i`` answered as
         ``loadeds[i]``: each through its own adapter (or none), attached again if unloaded."""
         with self.lock:
-            for loaded in {id(x): x for x in loadeds}.values():
-                name = loaded.adapter
-                if name is not None:
-                    if name not in self._attached:
-                        log.info("attaching %s again", loaded.id)
-                        self.attach(loaded.folder, name, loaded.id, "its base")
-                    self._attached.move_to_end(name)
+            self._present(loadeds)
             with rows_of([loaded.adapter for loaded in loadeds]):
                 yield
+
+    def shares(self, name: str) -> bool:
+        """Can adapter ``name``'s rows share a step with other adapters' rows (plain LoRA)? peft's
+        mixed batches refuse DoRA, and ``by_lanes`` serves plain LoRA only."""
+        with self.lock:
+            return name not in self._lane_plan()[1]
+
+    def _lane_plan(self) -> tuple[int, set[str]]:  # with the lock held
+        """The largest rank of the adapters' layers, and the adapters ``by_lanes`` cannot serve."""
+        if self._plan is None or self._plan[0] != self.version:
+            layers = [m for m in self.model.modules() if isinstance(m, ServedLoraLinear)]
+            rank = max((r for layer in layers for r in layer.r.values()), default=1)
+            odd = {name for layer in layers for name in layer.lora_A if not stackable(layer, name)}
+            self._plan = (self.version, rank, odd)
+        return self._plan[1:]
+
+    def _present(self, loadeds: list[LoadedModel]) -> None:  # with the lock held
+        for loaded in {id(x): x for x in loadeds}.values():
+            name = loaded.adapter
+            if name is not None:
+                if name not in self._attached:
+                    log.info("attaching %s again", loaded.id)
+                    self.attach(loaded.folder, name, loaded.id, "its base")
+                self._attached.move_to_end(name)
+
+    @contextmanager
+    def lanes(self, loadeds: list[LoadedModel]):
+        """Hold the adapters as they are for a step of ``loadeds``' rows (each attached again if
+        unloaded) and yield how ``chat.lora.by_lanes`` serves them: (lanes, the rank of a lane's
+        block, ``version``, each one's lane, 0 for the base); None where one of their adapters is not
+        plain LoRA (DoRA, a bias of its own: peft's own forward serves those)."""
+        with self.lock:
+            self._present(loadeds)
+            rank, odd = self._lane_plan()
+            if any(loaded.adapter in odd for loaded in loadeds):
+                yield None
+            else:
+                yield tuple(self._lanes), rank, self.version, [self._lanes.index(x.adapter) for x in loadeds]
 
 
 def adapter_model(base: LoadedModel, folder: Path, public_id: str, named: str | None = None) -> LoadedModel:

@@ -1,6 +1,7 @@
-"""The step loop's caches (``chat.stepping._Batch``; the GPU's slots use ``Layer``, ``StepCache`` and
-``cross_keys_values`` too): the decoder's self-attention cache for rows at different positions, the
-cross-attention keys/values projected once per request, and the cache object a decoder layer reads."""
+"""The step loop's caches (``chat.stepping._Batch``; the GPU's slots use ``Layer``, ``StepCache``,
+``cross_keys_values`` and their own ``SlotSelfAttention``): the decoder's self-attention cache for
+rows at different positions, the cross-attention keys/values projected once per request, and the
+cache object a decoder layer reads."""
 
 from __future__ import annotations
 
@@ -109,3 +110,18 @@ def stacked(parts: list[torch.Tensor], width: int) -> torch.Tensor:
         out[start : start + len(part), :, : part.shape[2]] = part
         start += len(part)
     return out
+
+
+class SlotSelfAttention:
+    """What the decoder layers' self-attention writes and reads in the GPU's slots (chat.stepgraphs):
+    each row's new key/value at its own position of its slot, then the slots' whole columns (a
+    mask hides the ones a row lacks)."""
+
+    def __init__(self, keys, values, rows, positions, columns: int):
+        self.keys, self.values, self.rows, self.positions, self.columns = keys, values, rows, positions, columns
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.rows, :, self.positions] = key[:, :, 0]
+        values[self.rows, :, self.positions] = value[:, :, 0]
+        return keys[:, :, : self.columns], values[:, :, : self.columns]

@@ -39,24 +39,28 @@ half the static batcher's replies/s). Here instead:
 
 A row's reply is the one ``generate()`` gives it alone, up to float rounding (the CPU tests check
 greedy replies token for token on the demo model; on a GPU batched products round differently).
-Graphs record the base model's steps only (an adapter's weights may be detached and attached again
-elsewhere in memory); steps with adapters' rows run eagerly, rows of different adapters through
-peft's mixed-batch forward. On a GPU ``chat.stepping`` sends adapters' requests to the static
-batcher instead, whose recorded steps serve them faster (docs/chat-benchmarks.md).
+Rows of LoRA adapters on the model (``chat.serving.Host``) step beside the base's: each through its
+own adapter from every layer's adapters stacked by lane (``chat.lora.by_lanes``: a row's lane is a
+device tensor, so one recorded step serves any mix), recorded per set of lanes and re-recorded when
+the adapters change (the host's ``version``); an adapter peft alone serves (DoRA, a bias of its own)
+makes its steps eager, rows of different adapters through peft's mixed-batch forward. On a GPU
+``chat.stepping`` sends adapters' requests to the static batcher unless ``adapters_in_slots``.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from chat.batching import Request, hand_ids
 from chat.greedy import UNPROCESSED, choose_greedy
+from chat.lora import by_lanes, lane_mask
 from chat.rows import Row, eos_mask, eos_of
-from chat.stepcache import Layer, StepCache, cross_keys_values
+from chat.stepcache import Layer, SlotSelfAttention, StepCache, cross_keys_values
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +77,6 @@ def default_budget(device: torch.device) -> int:
         return CPU_BUDGET_BYTES
     free, total = torch.cuda.mem_get_info(device)
     return int(min(GPU_BUDGET_BYTES, total / 4, free / 2))
-
-
-class _SlotSelfAttention:
-    """What the decoder layers' self-attention writes and reads: each row's new key/value at its
-    own position of its slot, then the slots' whole columns (a mask hides the ones a row lacks)."""
-
-    def __init__(self, keys, values, rows, positions, columns: int):
-        self.keys, self.values, self.rows, self.positions, self.columns = keys, values, rows, positions, columns
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.rows, :, self.positions] = key[:, :, 0]
-        values[self.rows, :, self.positions] = value[:, :, 0]
-        return keys[:, :, : self.columns], values[:, :, : self.columns]
 
 
 class SlotBatch:
@@ -130,9 +120,11 @@ class SlotBatch:
         self.eos_until = torch.zeros(j, dtype=long, device=device)
         self.forced_at = torch.full((j,), -1, dtype=long, device=device)
         self.ngram = torch.zeros(j, dtype=long, device=device)
+        self.lane = torch.zeros(j, dtype=long, device=device)  # each row's adapter's lane (0: the base)
+        self._lanes = [0] * j  # the same, as the host last said
         # Joiners' inputs, copied in by one transfer each: per row its source ids, their mask, its
-        # slot, then its eos_until, forced_at and n-gram size (``_join_body`` reads them).
-        self.staged = torch.zeros(c, 2 * self.sources + 4, dtype=long, device=device)
+        # slot, then its eos_until, forced_at, n-gram size and lane (``_join_body`` reads them).
+        self.staged = torch.zeros(c, 2 * self.sources + 5, dtype=long, device=device)
         self.staged_penalty = torch.ones(c, device=device)
         self.source_index = torch.arange(self.sources, device=device)
         self.slot_index = torch.arange(c, device=device)
@@ -150,6 +142,8 @@ class SlotBatch:
         self.replays = 0
         self.joins_replayed = 0
         self._flight = None  # the step started and not yet collected: (rows, width, rows choosing on the host)
+        self._ahead = True  # may the next step start early (the last step's rows were recorded-capable)
+        self._version = None  # the host's adapters' version the recorded lanes steps read
 
     @property
     def model(self):
@@ -170,15 +164,23 @@ class SlotBatch:
             raise ValueError(f"{len(requests)} rows joining, {len(free)} slots free")
         start = model.generation_config.decoder_start_token_id
         groups: dict[int, list] = {}
+        made = []
         for request, slot in zip(requests, free):
             row = Row(request, model, start)
             if row.source > self.sources:
                 raise ValueError(f"a source of {row.source} tokens is over the encoder's {self.sources} positions")
             row.slot, row.tokens = slot, [start]
             groups.setdefault(id(request.loaded), []).append(row)
+            made.append(row)
         try:
-            for rows in groups.values():
-                self._join(rows)
+            with self._lanes_of([request.loaded for request in requests]) as (lanes, version, each):
+                for row, lane in zip(made, each):
+                    self._lanes[row.slot] = lane
+                if lanes or len(groups) == 1 and made[0].request.loaded.adapter is None:  # together
+                    self._join(made, lanes, version)
+                else:  # peft's own forward for some: each model apart
+                    for rows in groups.values():
+                        self._join(rows)
         except BaseException:  # slots a join set up stay free: none may step (its length would grow)
             self.active[[row.slot for rows in groups.values() for row in rows]] = False
             raise
@@ -186,50 +188,53 @@ class SlotBatch:
             for row in rows:
                 self.slots[row.slot] = row
 
-    def _join(self, rows: list) -> None:
+    def _join(self, rows: list, lanes: tuple | None = None, version: int | None = None) -> None:
         """Copy the rows' sources and settings to the device (two transfers) and run ``_join_body``
         for them, recorded as a CUDA graph per (joiners rounded up to a power of two, longest source
-        rounded up to 32) like the steps: a join is one launch, not the ~200 of an eager encoder."""
+        rounded up to 32) like the steps: a join is one launch, not the ~200 of an eager encoder.
+        ``lanes``: (lanes, rank) of the host's adapters, each row through its own; else the rows are
+        one model's (the base's: recorded; an adapter's: eagerly, as it is active)."""
         model, sources = self.model, self.sources
         n = min(self.capacity, 1 << (len(rows) - 1).bit_length())
         width = _bucket(max(row.source for row in rows), sources)
         # Built as Python lists, one tensor each at the end: under load every torch call lets other
         # threads take the GIL, and each costs this worker a wait (docs/chat-benchmarks.md).
         pad = model.config.pad_token_id or 0
-        staged = [[pad] * sources + [1] + [0] * (sources - 1) + [self.capacity, 0, -1, 0]] * n  # padding rows:
+        staged = [[pad] * sources + [1] + [0] * (sources - 1) + [self.capacity, 0, -1, 0, 0]] * n  # padding rows:
         penalty = [1.0] * n  # one token seen (none would divide by zero), written into the spare slot
         for k, row in enumerate(rows):
-            encoded = row.request.encoded
-            ids = [t for t, m in zip(encoded["input_ids"][0].tolist(), encoded["attention_mask"][0].tolist()) if m]
+            ids = row.request.source
             s = row.plain or UNPROCESSED
-            fields = [row.slot, s["eos_until"], s["forced_at"], s["ngram"]]
+            fields = [row.slot, s["eos_until"], s["forced_at"], s["ngram"], self._lanes[row.slot]]
             staged[k] = ids + [pad] * (sources - len(ids)) + [1] * len(ids) + [0] * (sources - len(ids)) + fields
             penalty[k] = s["penalty"]
         staged, penalty = torch.tensor(staged), torch.tensor(penalty)
         self.staged[:n].copy_(staged)
         self.staged_penalty[:n].copy_(penalty)
         loaded = rows[0].request.loaded
-        with loaded.activated():  # its adapter's projections (or none)
+        with nullcontext() if lanes else loaded.activated():  # its adapter's projections (or none)
             graph = None
-            if self.graphs_on and loaded.adapter is None:
-                graph = self._graph(("join", n, width), lambda: self._join_body(n, width))
+            if self.graphs_on and (lanes or loaded.adapter is None):
+                key = ("join", n, width, lanes, version)
+                graph = self._graph(key, lambda: self._join_body(n, width, lanes))
             if graph is not None:
                 graph.replay()
                 self.joins_replayed += 1
             else:
-                self._join_body(n, width)
+                self._join_body(n, width, lanes)
 
-    def _join_body(self, n: int, width: int) -> None:
+    def _join_body(self, n: int, width: int, lanes: tuple | None = None) -> None:
         """Encode the first ``n`` staged sources (``width`` positions, right-padded and masked, each
         at its positions as alone), project each decoder layer's cross-attention keys/values into
         their slots and set the slots' rows up. Reads and writes only fixed-address tensors."""
         model, sources = self.model, self.sources
         staged = self.staged[:n]
         ids, mask, slots = staged[:, :width], staged[:, sources : sources + width], staged[:, 2 * sources]
-        hidden = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        for i, (k, v) in enumerate(cross_keys_values(model.get_decoder(), hidden)):
-            self.cross_keys[i][:, :, :width].index_copy_(0, slots, k)
-            self.cross_values[i][:, :, :width].index_copy_(0, slots, v)
+        with self._through(lanes, staged[:, 2 * sources + 4]):
+            hidden = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+            for i, (k, v) in enumerate(cross_keys_values(model.get_decoder(), hidden)):
+                self.cross_keys[i][:, :, :width].index_copy_(0, slots, k)
+                self.cross_values[i][:, :, :width].index_copy_(0, slots, v)
         low = torch.finfo(self.cross_mask.dtype).min
         visible = self.source_index[None] < mask.sum(1)[:, None]
         self.cross_mask.index_copy_(0, slots, torch.where(visible, 0.0, low).to(self.cross_mask.dtype)[:, None, None])
@@ -240,17 +245,19 @@ class SlotBatch:
         self.tokens[:, 0].index_fill_(0, slots, start)
         self.active.index_fill_(0, slots, True)
         self.penalty.index_copy_(0, slots, self.staged_penalty[:n])
-        for column, field in enumerate((self.eos_until, self.forced_at, self.ngram)):
+        for column, field in enumerate((self.eos_until, self.forced_at, self.ngram, self.lane)):
             field.index_copy_(0, slots, staged[:, 2 * sources + 1 + column])
 
     # -- stepping ----------------------------------------------------------------------------------
 
-    def _forward(self, width: int, sizes: tuple[int, ...], columns: int, sources: int, advance: bool = False) -> None:
+    def _forward(
+        self, width: int, sizes: tuple[int, ...], columns: int, sources: int, lanes=None, advance: bool = False
+    ) -> None:
         """One decoder step over slots [0, width), attending over the first ``columns`` positions
         of the self-attention cache and ``sources`` of the cross-attention one (enough for every
         running row): logits into ``self.logits``, the batched greedy choice into ``self.choice``
-        and, ``advance``, each row on by that choice (every row greedy). Reads and writes only
-        fixed-address tensors (a graph body)."""
+        and, ``advance``, each row on by that choice (every row greedy). ``lanes``: (lanes, rank), each
+        row through its own lane's adapter. Reads and writes only fixed-address tensors (a graph body)."""
         model = self.model
         decoder = model.get_decoder()
         length, tokens = self.length[:width], self.tokens[:width]
@@ -265,11 +272,11 @@ class SlotBatch:
             Layer(k[:width, :, :sources], v[:width, :, :sources]) for k, v in zip(self.cross_keys, self.cross_values)
         ]
         keys, values = [k[:width] for k in self.self_keys], [v[:width] for v in self.self_values]
-        cache = StepCache(_SlotSelfAttention(keys, values, self.slot_index[:width], positions, columns), cross)
+        cache = StepCache(SlotSelfAttention(keys, values, self.slot_index[:width], positions, columns), cross)
         cross_mask = self.cross_mask[:width, ..., :sources]
         # One query per row: fused attention kernels tile over queries and waste most of their
         # work here; PyTorch's plain math path (two batched products) reads each key once.
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH), self._through(lanes, self.lane[:width]):
             for layer in decoder.layers:
                 out = layer(hidden, self_mask, cross[0].keys, encoder_attention_mask=cross_mask, cache=cache)
                 hidden = out[0] if isinstance(out, tuple) else out
@@ -298,12 +305,42 @@ class SlotBatch:
         self.active.zero_()
 
     def serving(self):
-        """The context a step runs in: the rows' adapter (or none), or each slot's own (holes: the
-        first row's; their outputs are never read)."""
+        """The context an eager step of peft's own forward runs in: the rows' adapter (or none), or
+        each slot's own (holes: the first row's; their outputs are never read)."""
         from chat.stepping import _serving
 
         rows = self.rows
         return _serving([(row or rows[0]).request.loaded for row in self.slots[: self._width()]])
+
+    @contextmanager
+    def _lanes_of(self, loadeds: list):
+        """How rows of ``loadeds`` step, held so while inside: ((lanes, rank), the host's version,
+        each one's lane) where each goes through its own adapter by lanes (``chat.lora.by_lanes``:
+        steps recorded for any mix); (None, None, lanes of 0) where all are the base's or one of their
+        adapters needs peft's own forward."""
+        host = loadeds[0].host if loadeds else None
+        if host is None or all(loaded.adapter is None for loaded in loadeds):
+            yield None, None, [0] * len(loadeds)
+            return
+        with host.lanes(loadeds) as plan:
+            if plan is None:
+                yield None, None, [0] * len(loadeds)
+            else:
+                lanes, rank, version, each = plan
+                self._forget_older(version)
+                yield (lanes, rank), version, each
+
+    def _forget_older(self, version: int) -> None:
+        """Drop the recorded steps and joins that read an earlier version's stacked adapters."""
+        if self._version != version:
+            self._graphs = {key: graph for key, graph in self._graphs.items() if key[-1] is None}
+            self._version = version
+
+    def _through(self, lanes: tuple | None, lane: torch.Tensor):
+        """Inside a step or join body: each row (lanes ``lane``) through its own adapter, or as is."""
+        if lanes is None:
+            return nullcontext()
+        return by_lanes(lanes[0], lanes[1], lane_mask(lane, len(lanes[0]), lanes[1], self.cross_mask.dtype))
 
     def _width(self) -> int:
         used = max(i for i, row in enumerate(self.slots) if row is not None)
@@ -322,7 +359,7 @@ class SlotBatch:
         done, handed = self._collect()
         if between is not None:
             between()
-        if ahead and self.rows and all(row.plain and row.request.loaded.adapter is None for row in self.rows):
+        if ahead and self._ahead and self.rows and all(row.plain for row in self.rows):
             self._launch()
         for streamer, token in handed:
             hand_ids(streamer, [token])
@@ -338,18 +375,30 @@ class SlotBatch:
             _bucket(max(row.source for row in rows), self.sources),
         )
         others = [row for row in rows if row.plain is None]
-        shape = (*shape, not others)  # every row's token chosen on the device: the rows advance in the step
-        with self.serving():
-            graph = None
-            if self.graphs_on and all(row.request.loaded.adapter is None for row in rows):
-                # adapters' rows: eager (their weights may be swapped)
-                # (warmed up without advancing: the warm-up runs, the capture does not)
-                graph = self._graph(shape, lambda: self._forward(*shape), lambda: self._forward(*shape[:-1]))
-            if graph is not None:
-                graph.replay()
-                self.replays += 1
-            else:
-                self._forward(*shape)
+        with self._lanes_of([row.request.loaded for row in rows]) as (lanes, version, each):
+            moved = [(row.slot, lane) for row, lane in zip(rows, each) if lanes and self._lanes[row.slot] != lane]
+            if moved:  # an adapter unloaded and attached again meanwhile, in another lane
+                for slot, lane in moved:
+                    self._lanes[slot] = lane
+                slots, lanes_now = zip(*moved)
+                self.lane[list(slots)] = torch.tensor(lanes_now, device=self.lane.device)
+            # Recorded: the base's rows, or every row through its own adapter by lanes; peft's own
+            # forward (an adapter it alone serves) runs eagerly, as each row's adapter is active.
+            peft = lanes is None and any(row.request.loaded.adapter is not None for row in rows)
+            # every row's token chosen on the device: the rows advance in the step
+            shape = (*shape, lanes, not others)
+            with nullcontext() if lanes else self.serving():
+                graph = None
+                if self.graphs_on and not peft:
+                    # (warmed up without advancing: the warm-up runs, the capture does not)
+                    key = (*shape, version)
+                    graph = self._graph(key, lambda: self._forward(*shape), lambda: self._forward(*shape[:-1]))
+                if graph is not None:
+                    graph.replay()
+                    self.replays += 1
+                else:
+                    self._forward(*shape)
+        self._ahead = not peft
         self._flight = (rows, width, others)
 
     def _advance(self, width: int) -> None:
@@ -387,7 +436,7 @@ class SlotBatch:
                 done.append(row)
         if done:
             slots = [row.slot for row in done]
-            self.active[torch.tensor(slots, device=self.active.device)] = False
+            self.active[slots] = False  # one call (the index list becomes a tensor inside it)
             for slot in slots:
                 self.slots[slot] = None
         return done, handed

@@ -257,11 +257,17 @@ class StepBatcher:
     # its rows, so sharing one gains nothing: docs/chat-benchmarks.md). For where a step costs the same
     # for more rows (a GPU's slots, which do not take beams yet).
     beams: bool = False
+    # On a GPU, adapters' rows in the slots too, each through its own adapter in recorded steps
+    # (``chat.lora.by_lanes``); off, they go to the static batcher, whose recorded steps served ten
+    # adapters at 36-40% of the base's rate (docs/chat-benchmarks.md). Off until measured on a GPU
+    # (``bench.chat_load --schedulers static,step,step-lanes --adapters 10``).
+    adapters_in_slots: bool = False
 
     def takes(self, loaded, kwargs: dict) -> bool:
         """Does the step loop decode this request? Greedy or sampling (int8 layers quantize each
         row apart in a step: ``chat.optimize.rows_apart``), with ``beams`` beam search (not sampled)
-        where rows are not slots; on a GPU, of a base model, within the decoder's positions."""
+        where rows are not slots; on a GPU, of a base model (any adapter with ``adapters_in_slots``),
+        within the decoder's positions."""
         model = loaded.model
         beams = beams_of(kwargs)
         if beams > 1 and (
@@ -277,9 +283,9 @@ class StepBatcher:
         if ok and self._slots_for(model):  # a slot holds the decoder's positions, no more
             longest = kwargs.get("max_new_tokens") or model.generation_config.max_length
             ok = int(longest) + 1 <= model.config.max_position_embeddings
-        # On a GPU an adapter's rows would step eagerly (chat.stepgraphs records the base's steps
-        # only): the static batcher's recorded steps serve them faster (docs/chat-benchmarks.md).
-        return ok and not (model.device.type == "cuda" and loaded.adapter is not None)
+        if loaded.adapter is not None and loaded.host is not None and not loaded.host.shares(loaded.adapter):
+            return False  # DoRA and the like: alone, as peft's own forward serves them
+        return ok and not (model.device.type == "cuda" and loaded.adapter is not None and not self.adapters_in_slots)
 
     def _slots_for(self, model) -> bool:
         return model.device.type == "cuda" if self.slots is None else self.slots
@@ -366,7 +372,8 @@ class StepBatcher:
         except BaseException as err:  # noqa: BLE001 - every row in the step learns about it
             for row in {id(r): r for r in [*rows, *batch.rows]}.values():  # and any that joined
                 _fail(row.request, err)
-            batch.drop()
+            with torch.inference_mode():  # the slots' tensors are inference tensors
+                batch.drop()
             return
         self.steps += 1
         self.widest = max(self.widest, _size(rows))

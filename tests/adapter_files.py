@@ -29,17 +29,24 @@ def make_adapter(
     scale: float = 1.0,
     prefix: str = "chatbot: ",
     dropout: float = 0.05,
+    dora: bool = False,
 ) -> Path:
     """A LoRA adapter of ``base`` in ``run_dir/final`` (returned). Its A and B are random, not
     zero (peft's ``init_lora_weights=False``; B scaled by ``scale``), so it changes the replies:
     each ``seed`` gives another adapter. ``base_name`` is what adapter_config.json names as the
     base (default: ``base`` as given); ``fingerprint`` records the base's in training_args.json.
-    ``dropout`` is training's default: LoRA dropout must do nothing when the adapter serves."""
+    ``dropout`` is training's default: LoRA dropout must do nothing when the adapter serves.
+    ``dora``: a DoRA adapter (peft's ``use_dora``), which only peft's own forward serves."""
     torch.manual_seed(seed)
     model = load_model(str(base))
     recorded = model_fingerprint(model)
     config = LoraConfig(
-        r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=list(targets), init_lora_weights=False
+        r=r,
+        lora_alpha=2 * r,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        init_lora_weights=False,
+        use_dora=dora,
     )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():

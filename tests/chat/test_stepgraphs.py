@@ -191,6 +191,28 @@ def test_the_next_step_starts_before_the_tokens_are_handed_out(demo, static):  #
             assert not any(started for started, _ in puts)
 
 
+def test_a_failed_step_fails_its_rows_and_the_worker_goes_on(demo, static, monkeypatch):  # noqa: F811
+    """A step that raises fails the requests in it; the slots are emptied (their tensors are
+    inference tensors: the worker must not die doing it) and the next request is served."""
+    engine = ChatEngine(demo, "test", batcher=static)
+    monkeypatch.setattr(StepBatcher, "slots", True)
+    stepper = StepBatcher()
+    body, calls = SlotBatch._forward, []
+
+    def first_fails(self, *args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("the device fell over")
+        return body(self, *args)
+
+    monkeypatch.setattr(SlotBatch, "_forward", first_fails)
+    with pytest.raises(RuntimeError, match="fell over"):
+        stepper.submit(demo, *inputs(engine, 0)).result(60)
+    assert stepper.submit(demo, *inputs(engine, 0)).result(60)[0].tolist() == test_stepping.alone(
+        static, demo, *inputs(engine, 0)
+    )
+
+
 def test_a_failed_join_leaves_its_slots_free(demo, static, monkeypatch):  # noqa: F811
     """Requests of two models (here two handles of one) join in two groups; the second group's join
     fails: no slot is taken or left active (an active free slot would step on), and the next join
@@ -200,11 +222,11 @@ def test_a_failed_join_leaves_its_slots_free(demo, static, monkeypatch):  # noqa
     batch = SlotBatch(demo.model, 4, graphs=False)
     body, calls = SlotBatch._join_body, []
 
-    def second_fails(self, n, width):
+    def second_fails(self, n, width, lanes=None):
         calls.append(n)
         if len(calls) == 2:
             raise RuntimeError("no memory for this join")
-        return body(self, n, width)
+        return body(self, n, width, lanes)
 
     monkeypatch.setattr(SlotBatch, "_join_body", second_fails)
     other = copy.copy(demo)  # another handle: its requests encode as a group of their own
@@ -244,6 +266,17 @@ def test_slots_are_reused_and_kept_between_bursts(demo, static):  # noqa: F811
     assert batch.capacity == 2 and not batch.rows and stepper.widest == 2
 
 
+def faked(batch: SlotBatch) -> FakeTensorMode:
+    """Every tensor of ``batch`` made fake (its values unknown); the mode to run its bodies in."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    for name, value in vars(batch).items():
+        if isinstance(value, torch.Tensor):
+            setattr(batch, name, fake.from_tensor(value))
+        elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            setattr(batch, name, [fake.from_tensor(t) for t in value])
+    return fake
+
+
 def test_the_recorded_step_reads_no_tensor_data_on_the_host(demo, static):  # noqa: F811
     """What a CUDA graph records must not turn a tensor into a Python value (``.item()``, a shape
     from data, ``if tensor``): under fake tensors that raises. The slots' step and join bodies run
@@ -252,14 +285,8 @@ def test_the_recorded_step_reads_no_tensor_data_on_the_host(demo, static):  # no
     batch = SlotBatch(demo.model, 4, graphs=False)
     with torch.inference_mode():
         batch.join_all([Request(demo, *inputs(engine, i)) for i in range(3)])
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
-        for name, value in vars(batch).items():
-            if isinstance(value, torch.Tensor):
-                setattr(batch, name, fake.from_tensor(value))
-            elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-                setattr(batch, name, [fake.from_tensor(t) for t in value])
-        with fake:
-            batch._forward(4, (3,), 16, 32, True)  # a step, the rows advanced
+        with faked(batch):
+            batch._forward(4, (3,), 16, 32, None, True)  # a step, the rows advanced
             batch._join_body(4, 32)  # a join: the encoder, the slots set up
             assert batch.choice.shape == (4,)
             with pytest.raises(DataDependentOutputException):  # the check can fail: a host read
