@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from peft import PeftConfig, PeftType
 from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -292,9 +293,15 @@ class Host:
     def _lane_plan(self) -> tuple[int, set[str]]:  # with the lock held
         """The largest rank of the adapters' layers, and the adapters ``by_lanes`` cannot serve."""
         if self._plan is None or self._plan[0] != self.version:
-            layers = [m for m in self.model.modules() if isinstance(m, ServedLoraLinear)]
+            layers = [m for m in self.model.modules() if isinstance(m, LoraLayer)]
             rank = max((r for layer in layers for r in layer.r.values()), default=1)
-            odd = {name for layer in layers for name in layer.lora_A if not stackable(layer, name)}
+            # Not ours (an embedding's LoRA) or not plain: only peft's own forward serves it.
+            odd = {
+                name
+                for layer in layers
+                for name in layer.r
+                if not isinstance(layer, ServedLoraLinear) or not stackable(layer, name)
+            }
             self._plan = (self.version, rank, odd)
         return self._plan[1:]
 

@@ -98,6 +98,10 @@ def test_an_adapter_only_peft_serves_is_served_alone(served, tmp_path):
     stepper = StepBatcher()
     stepper.slots = True
     assert not stepper.takes(dora, FAST.generate_kwargs()) and stepper.takes(loadeds[0], FAST.generate_kwargs())
+    # An adapter with a LoRA embedding (peft's own layer, not ours) likewise.
+    embedding = engine.load(str(make_adapter(DEMO_DIR, tmp_path / "emb", seed=6, targets=("q_proj", "embed_tokens"))))
+    assert not embedding.host.shares(embedding.adapter) and not stepper.takes(embedding, FAST.generate_kwargs())
+    embedding.host.detach(embedding.adapter)
     futures = [stepper.submit(*r) for r in requests]
     assert [f.result(60)[0].tolist() for f in futures] == expected
     dora.host.detach(dora.adapter)
