@@ -81,6 +81,14 @@ def lane_mask(lane: torch.Tensor, lanes: int, rank: int, dtype: torch.dtype) -> 
     return (lane[:, None] == blocks[None, :]).to(dtype)
 
 
+def stack_all(model, lanes: tuple[str | None, ...], rank: int) -> None:
+    """Make every layer's stacks for ``by_lanes`` now, on the current stream: not inside a recording's
+    warm-up, whose side stream would own their memory while the main stream's replays read it."""
+    for module in model.modules():
+        if isinstance(module, ServedLoraLinear) and module.lora_A:
+            module._stacks(lanes, rank)
+
+
 def stackable(layer: Linear, name: str) -> bool:
     """Can ``by_lanes`` serve adapter ``name`` of this layer (plain LoRA: no variant such as DoRA, no
     bias of its own)?"""

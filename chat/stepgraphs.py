@@ -58,7 +58,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from chat.batching import Request, hand_ids
 from chat.greedy import UNPROCESSED, choose_greedy
-from chat.lora import by_lanes, lane_mask
+from chat.lora import by_lanes, lane_mask, stack_all
 from chat.rows import Row, eos_mask, eos_of
 from chat.stepcache import Layer, SlotSelfAttention, StepCache, cross_keys_values
 
@@ -327,14 +327,11 @@ class SlotBatch:
                 yield None, None, [0] * len(loadeds)
             else:
                 lanes, rank, version, each = plan
-                self._forget_older(version)
+                if self._version != version:  # the adapters changed: their stacks and recordings too
+                    self._graphs = {key: graph for key, graph in self._graphs.items() if key[-1] is None}
+                    stack_all(self.model, lanes, rank)
+                    self._version = version
                 yield (lanes, rank), version, each
-
-    def _forget_older(self, version: int) -> None:
-        """Drop the recorded steps and joins that read an earlier version's stacked adapters."""
-        if self._version != version:
-            self._graphs = {key: graph for key, graph in self._graphs.items() if key[-1] is None}
-            self._version = version
 
     def _through(self, lanes: tuple | None, lane: torch.Tensor):
         """Inside a step or join body: each row (lanes ``lane``) through its own adapter, or as is."""
