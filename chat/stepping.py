@@ -224,8 +224,8 @@ def _mask(visible: torch.Tensor, dtype) -> torch.Tensor | None:
 
 class StepBatcher:
     """One worker thread that decodes every running request step by step (``_Batch``); requests it
-    does not decode (beam search; on a GPU adapters') go to the static ``Batcher``. Same
-    ``submit`` as ``Batcher``."""
+    does not decode (beam search; adapters only peft's own forward serves, such as DoRA; on a GPU
+    adapters' unless ``adapters_in_slots``) go to the static ``Batcher``. Same ``submit`` as ``Batcher``."""
 
     def __init__(self, max_batch: int | None = None, fallback: Batcher | None = None):
         if max_batch is not None and max_batch < 1:
