@@ -155,7 +155,9 @@ def test_the_recorded_lanes_step_reads_no_tensor_data_on_the_host(served):
                 assert batch.choice.shape == (4,)
 
 
-def test_adapters_rows_share_the_slots_only_when_asked_on_a_gpu(served):
+def test_on_a_cpu_the_step_loop_takes_adapters_chats_either_way(served):
+    """``adapters_in_slots`` is about the GPU's slots (its test: the recorded lanes steps below); on
+    a CPU the step loop serves plain adapters' chats with or without it."""
     engine, loadeds = served
     stepper = StepBatcher()
     kwargs = FAST.generate_kwargs()
@@ -181,19 +183,20 @@ def test_recorded_lanes_steps_give_the_eager_steps_tokens(tmp_path):
     for i in range(12):
         loaded = loadeds[i % len(loadeds)]
         requests.append((loaded, engine.build_input(TALKS[i % len(TALKS)], loaded)[0], FAST.generate_kwargs()))
-    replies = {}
-    for graphs in (False, True):
+
+    def run(graphs: bool):
         stepper = StepBatcher(max_batch=8)
         stepper.adapters_in_slots = True
         stepper.cuda_graphs = "capture" if graphs else "off"
-        replies[graphs] = [f.result(120)[0].tolist() for f in [stepper.submit(*r) for r in requests]]
+        replies = [f.result(120)[0].tolist() for f in [stepper.submit(*r) for r in requests]]
         from chat import stepgraphs
 
-        batch = stepgraphs.for_model(base.model, 8, graphs)
-        assert (batch.replays > 0) == graphs and any(key[-1] is not None for key in batch._graphs) == graphs
-    assert replies[True] == replies[False]
-    recorded = dict(batch._graphs)
-    engine.load(str(make_adapter(DEMO_DIR, tmp_path / "new", seed=7)))
-    again = [f.result(120)[0].tolist() for f in [stepper.submit(*r) for r in requests]]
-    assert again == replies[True]
-    assert not any(key in recorded for key in batch._graphs if key[-1] is not None)  # recorded anew
+        return replies, stepgraphs.for_model(base.model, 8, graphs)
+
+    (eager, _), (recorded, batch) = run(False), run(True)
+    assert eager == recorded and batch.replays > 0 and any(key[-1] is not None for key in batch._graphs)
+    before = dict(batch._graphs)
+    engine.load(str(make_adapter(DEMO_DIR, tmp_path / "new", seed=7)))  # another lane: the stacks change
+    (eager, _), (recorded, batch) = run(False), run(True)
+    assert eager == recorded
+    assert not any(key in before for key in batch._graphs if key[-1] is not None)  # recorded anew
