@@ -186,7 +186,7 @@ class ServedLoraLinear(Linear):
             a, b = self._stacks(lanes[0], lanes[1])
             result = self.get_base_layer()(x)
             down = F.linear(x.to(a.dtype), a)
-            mask = lanes[2].view(len(x), *([1] * (x.dim() - 2)), -1)  # a row's mask for each of its tokens
+            mask = lanes[2].to(a.dtype).view(len(x), *([1] * (x.dim() - 2)), -1)  # a row's, for each token
             return result + F.linear(down * mask, b).to(result.dtype)
         rows = _ROWS.get()
         if rows is not None and not args and not kwargs and len(rows) == len(x):

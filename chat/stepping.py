@@ -196,7 +196,7 @@ class _Batch:
         return done
 
     def serving(self):
-        return _serving([row.request.loaded for row in self.rows])
+        return _serving([row.request.loaded for row in self.rows for _ in range(row.width)])
 
     def drop(self) -> None:
         """Forget every row (after a failed step)."""
@@ -389,8 +389,10 @@ def _size(rows: list) -> int:
 
 
 def _serving(loadeds: list):
-    """The context a step runs in: one adapter (or the base) active for all rows, or, for rows of
-    different adapters on one base, each row's own (``Host.rows``)."""
+    """The context a step runs in (``loadeds``: each row's model, a beam search's once per beam):
+    one adapter (or the base) active for all rows, or, for rows of different adapters on one base,
+    each row's own (``Host.rows``). (``chat.lora.by_lanes`` served 4 adapters' int8 rows on 2 CPU
+    cores no faster than peft's mixed batches: docs/chat-benchmarks.md.)"""
     first = loadeds[0]
     if all(loaded.adapter == first.adapter for loaded in loadeds) or first.host is None:
         return first.activated()

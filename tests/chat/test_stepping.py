@@ -243,6 +243,37 @@ def test_rows_of_different_adapters_share_steps_each_through_its_own(tmp_path):
     assert stepper.widest == 4
 
 
+def test_a_beam_search_of_one_adapter_shares_steps_with_another_adapters_rows(tmp_path):
+    """With ``beams``, a beam search's rows are its beams: each beam goes through its request's
+    adapter (the step's rows of models, one per beam), beside another adapter's and the base's rows."""
+    engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="none"), "test", batcher=Batcher())
+    for seed, name in enumerate(["bob", "ann"]):
+        engine.load(str(make_adapter(DEMO_DIR, tmp_path / name, seed=seed)))
+    models = [engine.model_for(m) for m in ["bob", "ann", "demo-model"]]
+    settings = [FAST, replace(FAITHFUL, num_beams=3, min_new_tokens=5), FAST]
+    requests = [
+        (loaded, engine.build_input(TALKS[i], loaded)[0], s.generate_kwargs())
+        for i, (loaded, s) in enumerate(zip(models, settings))
+    ]
+    expected = [alone(engine._batcher, *r) for r in requests]
+    stepper = StepBatcher()
+    stepper.beams = True
+    gate = threading.Event()
+
+    class Held(BaseStreamer):  # holds the worker in the first row's first put until all are queued
+        def put(self, value):
+            gate.wait(10)
+
+        def end(self):
+            pass
+
+    futures = [stepper.submit(*requests[0], Held())]
+    futures += [stepper.submit(*r) for r in requests[1:]]
+    gate.set()
+    assert [f.result(60)[0].tolist() for f in futures] == expected
+    assert stepper.widest == 5  # 1 + 3 beams + 1
+
+
 def test_a_text_streamer_reads_the_steps_as_it_reads_generate(demo):
     stepper = StepBatcher()
     engine = ChatEngine(demo, "test", batcher=stepper)
