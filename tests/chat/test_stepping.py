@@ -213,6 +213,24 @@ def test_the_scheduler_setting(monkeypatch):
         scheduler("continuous")
 
 
+def submit_together(stepper: StepBatcher, requests: list) -> list:
+    """Submit ``requests`` (loaded, encoded, kwargs) so that they join one step: the worker is held
+    in the first row's first put until all are queued."""
+    gate = threading.Event()
+
+    class Held(BaseStreamer):
+        def put(self, value):
+            gate.wait(10)
+
+        def end(self):
+            pass
+
+    futures = [stepper.submit(*requests[0], Held())]
+    futures += [stepper.submit(*r) for r in requests[1:]]
+    gate.set()
+    return futures
+
+
 def test_rows_of_different_adapters_share_steps_each_through_its_own(tmp_path):
     engine = ChatEngine(load_checkpoint(str(DEMO_DIR), optimize="none"), "test", batcher=Batcher())
     names = ["bob", "ann", "eve"]
@@ -227,18 +245,7 @@ def test_rows_of_different_adapters_share_steps_each_through_its_own(tmp_path):
     expected = [alone(engine._batcher, *r) for r in requests]
     assert len({tuple(e) for e in expected}) == 4  # each adapter answers its own way
     stepper = StepBatcher()
-    gate = threading.Event()
-
-    class Held(BaseStreamer):  # holds the worker in the first row's first put until all are queued
-        def put(self, value):
-            gate.wait(10)
-
-        def end(self):
-            pass
-
-    futures = [stepper.submit(*requests[0], Held())]
-    futures += [stepper.submit(*r) for r in requests[1:]]
-    gate.set()
+    futures = submit_together(stepper, requests)
     assert [f.result(60)[0].tolist() for f in futures] == expected
     assert stepper.widest == 4
 
@@ -258,18 +265,7 @@ def test_a_beam_search_of_one_adapter_shares_steps_with_another_adapters_rows(tm
     expected = [alone(engine._batcher, *r) for r in requests]
     stepper = StepBatcher()
     stepper.beams = True
-    gate = threading.Event()
-
-    class Held(BaseStreamer):  # holds the worker in the first row's first put until all are queued
-        def put(self, value):
-            gate.wait(10)
-
-        def end(self):
-            pass
-
-    futures = [stepper.submit(*requests[0], Held())]
-    futures += [stepper.submit(*r) for r in requests[1:]]
-    gate.set()
+    futures = submit_together(stepper, requests)
     assert [f.result(60)[0].tolist() for f in futures] == expected
     assert stepper.widest == 5  # 1 + 3 beams + 1
 
