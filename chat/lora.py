@@ -20,9 +20,9 @@ the layer's adapters change (``_plan``), not on every call:
 Inside ``by_lanes`` (the GPU's slots, ``chat.stepgraphs``) every row of a batch goes through its own
 adapter from the layer's adapters stacked by lane: two dense products, the same for any mix of rows,
 so a recorded CUDA graph serves any mix. Everything else (several adapters, DoRA and the other
-variants, mixed batches of the CPU's step loop, bf16, training) goes through peft's forward. Installed with peft's
-custom-module hook (``LoraConfig._register_custom_module``) by ``chat.serving.Host.attach``, so peft
-builds it wherever it would build its own Linear.
+variants, mixed batches of the CPU's step loop, bf16, training) goes through peft's forward.
+Installed with peft's custom-module hook (``LoraConfig._register_custom_module``) by
+``chat.serving.Host.attach``, so peft builds it wherever it would build its own Linear.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def stack_all(model, lanes: tuple[str | None, ...], rank: int) -> None:
 
 
 def stackable(layer: Linear, name: str) -> bool:
-    """Can ``by_lanes`` serve adapter ``name`` of this layer (plain LoRA: no variant such as DoRA, no
-    bias of its own)?"""
+    """Is adapter ``name`` of this layer plain LoRA (no variant such as DoRA, no bias of its own), the
+    kind ``by_lanes`` and the lean single-adapter forward serve?"""
     return name not in layer.lora_variant and not layer.lora_bias.get(name, False)
 
 
@@ -121,9 +121,8 @@ class ServedLoraLinear(Linear):
             return _PEFT
         name = active[0]
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        plain = name not in self.lora_variant and not self.lora_bias.get(name, False)
         on_cpu = a.device.type == b.device.type == "cpu" and a.dtype == b.dtype == torch.float32
-        return ("lora", base, a, b.t(), self.scaling[name]) if plain and on_cpu else _PEFT
+        return ("lora", base, a, b.t(), self.scaling[name]) if stackable(self, name) and on_cpu else _PEFT
 
     def _invalidate(self) -> None:
         self.__dict__["_plan"] = None

@@ -373,12 +373,15 @@ class SlotBatch:
         )
         others = [row for row in rows if row.plain is None]
         with self._lanes_of([row.request.loaded for row in rows]) as (lanes, version, each):
-            moved = [(row.slot, lane) for row, lane in zip(rows, each) if lanes and self._lanes[row.slot] != lane]
-            if moved:  # an adapter unloaded and attached again meanwhile, in another lane
+            # Rows whose adapter was unloaded and attached again meanwhile, in another lane.
+            moved = []
+            if lanes:
+                moved = [(row.slot, lane) for row, lane in zip(rows, each) if self._lanes[row.slot] != lane]
+            if moved:
+                slots, now = zip(*moved)
                 for slot, lane in moved:
                     self._lanes[slot] = lane
-                slots, lanes_now = zip(*moved)
-                self.lane[list(slots)] = torch.tensor(lanes_now, device=self.lane.device)
+                self.lane[list(slots)] = torch.tensor(now, device=self.lane.device)
             # Recorded: the base's rows, or every row through its own adapter by lanes; peft's own
             # forward (an adapter it alone serves) runs eagerly, as each row's adapter is active.
             peft = lanes is None and any(row.request.loaded.adapter is not None for row in rows)
