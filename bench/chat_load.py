@@ -46,9 +46,9 @@ def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
     """``static``: generate() per batch; ``step``: the step loop (on a GPU in slots, steps replayed
     from CUDA graphs, the next started before a step's tokens are handed out); ``step-serial``: the
     same, one step at a time; ``step-eager``: the step loop without graphs; ``step-beams``: the step
-    loop with beam search in its steps (``StepBatcher.beams``; off by default); ``step-lanes``: on a
-    GPU adapters' rows in the slots too, each through its own adapter by lanes in recorded steps
-    (``StepBatcher.adapters_in_slots``; off by default)."""
+    loop with beam search in its steps (``StepBatcher.beams``, off by default; in slots a slot per
+    beam); ``step-lanes``: on a GPU adapters' rows in the slots too, each through its own adapter by
+    lanes in recorded steps (``StepBatcher.adapters_in_slots``; off by default)."""
     if scheduler == "static":
         return Batcher(max_batch=max_batch)
     if scheduler not in SCHEDULERS:

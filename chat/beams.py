@@ -55,6 +55,11 @@ class BeamRows:
         self.running_indices = torch.full((1, k, self.max_length - PROMPT), -1, dtype=torch.int32)
         self.indices = self.running_indices.clone()
 
+    @property
+    def fed(self) -> int:
+        """Ids each hypothesis has fed the decoder once its next step runs."""
+        return self.cur_len
+
     def last(self) -> torch.Tensor:
         """Each hypothesis's newest token (k, 1)."""
         return self.running[0, :, self.cur_len - 1 : self.cur_len]
@@ -124,3 +129,18 @@ class BeamRows:
         """The best hypothesis (1, length), cropped as generate() crops it."""
         generated = int((self.indices[:, 0] + 1).bool().sum(dim=1).max())
         return self.sequences[:, 0, : PROMPT + generated]
+
+
+def reorder(caches: list[torch.Tensor], beams: list) -> None:
+    """In slots (``chat.stepgraphs``): each beam search's hypotheses that go on read their parents'
+    self-attention caches, as generate() reorders its cache: the slot of beam ``i`` takes a copy of
+    the slot of beam ``order[i]``, for every beam search of a step at once (two calls per cache)."""
+    pairs = [(slot, row.slots[parent]) for row in beams for slot, parent in zip(row.slots, row.order.tolist())]
+    pairs = [(to, of) for to, of in pairs if to != of]
+    if not pairs:
+        return
+    to, of = (torch.tensor(side, device=caches[0].device) for side in zip(*pairs))
+    columns = max(row.cur_len for row in beams)  # the columns the hypotheses have (and one spare)
+    for cache in caches:  # (slots, heads, columns, head size)
+        kept = cache[:, :, :columns]
+        kept.index_copy_(0, to, kept.index_select(0, of))

@@ -55,6 +55,11 @@ class Row:
         if request.streamer is not None:
             hand_ids(request.streamer, [start_id])
 
+    @property
+    def fed(self) -> int:
+        """Ids fed to the decoder once its next step runs (the self-attention columns it reads)."""
+        return self.ids.shape[1]
+
     def last(self) -> torch.Tensor:
         return self.ids[:, -1:]
 

@@ -38,13 +38,16 @@ half the static batcher's replies/s). Here instead:
   the device's step.
 
 A row's reply is the one ``generate()`` gives it alone, up to float rounding (the CPU tests check
-greedy replies token for token on the demo model; on a GPU batched products round differently).
+replies token for token on the demo model; on a GPU batched products round differently). A beam
+search takes a slot per beam; after each step transformers' helpers choose on the host
+(``chat.beams``) and each hypothesis that goes on copies its parent's slot (``chat.beams.reorder``).
 Rows of LoRA adapters on the model (``chat.serving.Host``) step beside the base's: each through its
 own adapter from every layer's adapters stacked by lane (``chat.lora.by_lanes``: a row's lane is a
 device tensor, so one recorded step serves any mix), recorded per set of lanes and re-recorded when
 the adapters change (the host's ``version``); an adapter peft alone serves (DoRA, a bias of its own)
 makes its steps eager, rows of different adapters through peft's mixed-batch forward. On a GPU
-``chat.stepping`` sends adapters' requests to the static batcher unless ``adapters_in_slots``.
+``chat.stepping`` sends adapters' and beam searches' requests to the static batcher unless
+``adapters_in_slots`` and ``beams``.
 """
 
 from __future__ import annotations
@@ -57,9 +60,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from chat.batching import Request, hand_ids
+from chat.beams import reorder
 from chat.greedy import UNPROCESSED, choose_greedy
 from chat.lora import by_lanes, lane_mask, stack_all
-from chat.rows import Row, eos_mask, eos_of
+from chat.rows import beams_of, eos_mask, eos_of, member
 from chat.stepcache import Layer, SlotSelfAttention, StepCache, cross_keys_values
 
 log = logging.getLogger(__name__)
@@ -151,7 +155,8 @@ class SlotBatch:
 
     @property
     def rows(self) -> list:
-        return [row for row in self.slots if row is not None]
+        """The running members (chat.rows': a Row, or a beam search's BeamRows in ``width`` slots)."""
+        return list(dict.fromkeys(row for row in self.slots if row is not None))
 
     # -- joining -----------------------------------------------------------------------------------
 
@@ -160,33 +165,36 @@ class SlotBatch:
         each model (base or adapter) encoded together into their slots' cross-attention keys/values."""
         model = self.model
         free = [i for i, row in enumerate(self.slots) if row is None]
-        if len(requests) > len(free):
-            raise ValueError(f"{len(requests)} rows joining, {len(free)} slots free")
+        wanted = sum(beams_of(request.kwargs) for request in requests)
+        if wanted > len(free):
+            raise ValueError(f"{wanted} rows joining, {len(free)} slots free")
         start = model.generation_config.decoder_start_token_id
         groups: dict[int, list] = {}
         made = []
-        for request, slot in zip(requests, free):
-            row = Row(request, model, start)
+        for request in requests:
+            row = member(request, model, start)
             if row.source > self.sources:
                 raise ValueError(f"a source of {row.source} tokens is over the encoder's {self.sources} positions")
-            row.slot, row.tokens = slot, [start]
+            row.slots, free = free[: row.width], free[row.width :]  # a beam search: a slot per beam
+            row.slot, row.tokens = row.slots[0], [start]
             groups.setdefault(id(request.loaded), []).append(row)
             made.append(row)
         try:
             with self._lanes_of([request.loaded for request in requests]) as (lanes, version, each):
                 for row, lane in zip(made, each):
-                    self._lanes[row.slot] = lane
+                    for slot in row.slots:
+                        self._lanes[slot] = lane
                 if lanes or len(groups) == 1 and made[0].request.loaded.adapter is None:  # together
                     self._join(made, lanes, version)
                 else:  # peft's own forward for some: each model apart
                     for rows in groups.values():
                         self._join(rows)
         except BaseException:  # slots a join set up stay free: none may step (its length would grow)
-            self.active[[row.slot for rows in groups.values() for row in rows]] = False
+            self.active[[slot for row in made for slot in row.slots]] = False
             raise
-        for rows in groups.values():
-            for row in rows:
-                self.slots[row.slot] = row
+        for row in made:
+            for slot in row.slots:
+                self.slots[slot] = row
 
     def _join(self, rows: list, lanes: tuple | None = None, version: int | None = None) -> None:
         """Copy the rows' sources and settings to the device (two transfers) and run ``_join_body``
@@ -195,17 +203,18 @@ class SlotBatch:
         ``lanes``: (lanes, rank) of the host's adapters, each row through its own; else the rows are
         one model's (the base's: recorded; an adapter's: eagerly, as it is active)."""
         model, sources = self.model, self.sources
-        n = min(self.capacity, 1 << (len(rows) - 1).bit_length())
+        slots = [(row, slot) for row in rows for slot in row.slots]  # a beam search's source in each of its
+        n = min(self.capacity, 1 << (len(slots) - 1).bit_length())
         width = _bucket(max(row.source for row in rows), sources)
         # Built as Python lists, one tensor each at the end: under load every torch call lets other
         # threads take the GIL, and each costs this worker a wait (docs/chat-benchmarks.md).
         pad = model.config.pad_token_id or 0
         staged = [[pad] * sources + [1] + [0] * (sources - 1) + [self.capacity, 0, -1, 0, 0]] * n  # padding rows:
         penalty = [1.0] * n  # one token seen (none would divide by zero), written into the spare slot
-        for k, row in enumerate(rows):
+        for k, (row, slot) in enumerate(slots):
             ids = row.request.source
             s = row.plain or UNPROCESSED
-            fields = [row.slot, s["eos_until"], s["forced_at"], s["ngram"], self._lanes[row.slot]]
+            fields = [slot, s["eos_until"], s["forced_at"], s["ngram"], self._lanes[slot]]
             staged[k] = ids + [pad] * (sources - len(ids)) + [1] * len(ids) + [0] * (sources - len(ids)) + fields
             penalty[k] = s["penalty"]
         staged, penalty = torch.tensor(staged), torch.tensor(penalty)
@@ -305,8 +314,7 @@ class SlotBatch:
         self.active.zero_()
 
     def serving(self):
-        """The context an eager step of peft's own forward runs in: the rows' adapter (or none), or
-        each slot's own (holes: the first row's; their outputs are never read)."""
+        """An eager step's context for peft's own forward: each slot's adapter (holes: the first row's)."""
         from chat.stepping import _serving
 
         rows = self.rows
@@ -368,15 +376,14 @@ class SlotBatch:
         shape = (
             width,
             tuple(sorted({row.plain["ngram"] for row in rows if row.plain and row.plain["ngram"]})),
-            _bucket(max(len(row.tokens) if row.plain else row.ids.shape[1] for row in rows), self.columns),
+            _bucket(max(len(row.tokens) if row.plain else row.fed for row in rows), self.columns),
             _bucket(max(row.source for row in rows), self.sources),
         )
         others = [row for row in rows if row.plain is None]
         with self._lanes_of([row.request.loaded for row in rows]) as (lanes, version, each):
             # Rows whose adapter was unloaded and attached again meanwhile, in another lane.
-            moved = []
-            if lanes:
-                moved = [(row.slot, lane) for row, lane in zip(rows, each) if self._lanes[row.slot] != lane]
+            moved = [(slot, lane) for row, lane in zip(rows, each) for slot in row.slots] if lanes else []
+            moved = [(slot, lane) for slot, lane in moved if self._lanes[slot] != lane]
             if moved:
                 slots, now = zip(*moved)
                 for slot, lane in moved:
@@ -417,10 +424,16 @@ class SlotBatch:
         self._flight = None
         done = []
         if others:  # their own processors (and generators) on their own logits
-            own = torch.tensor([row.slot for row in others], device=self.logits.device)
-            logits = self.logits[own].cpu()
-            done += [row for i, row in enumerate(others) if row.choose(logits[i : i + 1])]
-            self.choice[own] = torch.tensor([int(row.ids[0, -1]) for row in others], device=own.device)
+            own = torch.tensor([slot for row in others for slot in row.slots], device=self.logits.device)
+            logits, at = self.logits[own].cpu(), 0
+            for row in others:
+                if row.choose(logits[at : at + row.width]):
+                    done.append(row)
+                at += row.width
+            beams = [row for row in others if row.order is not None and row not in done]
+            reorder(self.self_keys + self.self_values, beams)  # the hypotheses that go on, in their slots
+            chosen = [token for row in others for token in row.last()[:, 0].tolist()]  # each beam's, reordered
+            self.choice[own] = torch.tensor(chosen, device=own.device)
             self._advance(width)
         chosen = self.choice[:width].cpu().tolist()  # the step's one wait for the device
         handed = []
@@ -435,7 +448,7 @@ class SlotBatch:
                 row.ids = torch.tensor([row.tokens])
                 done.append(row)
         if done:
-            slots = [row.slot for row in done]
+            slots = [slot for row in done for slot in row.slots]
             self.active[slots] = False  # one call (the index list becomes a tensor inside it)
             for slot in slots:
                 self.slots[slot] = None

@@ -30,7 +30,8 @@ replies, measured slower on a CPU). Rows of different LoRA adapters of one base 
 On a GPU the rows live in fixed-address slots and each step and each join is replayed from a CUDA
 graph (``chat.stepgraphs.SlotBatch``: the same ``step``, requests join several at a time, and the next
 step starts before a step's tokens are handed out); there adapters' and beam-search requests go to
-the static batcher, whose recorded steps (``chat.graphs``) serve them faster than eager mixed steps.
+the static batcher, whose recorded steps (``chat.graphs``) serve them, unless ``adapters_in_slots``
+(each row through its own adapter by lanes) and ``beams`` (a slot per beam): not yet measured there.
 
 A request's settings become transformers' processors in ``chat.rows``.
 """
@@ -251,11 +252,12 @@ class StepBatcher:
     # Slots: start the next step before handing this one's tokens to the streamers (the readers'
     # Python then runs beside the device's step). None = where steps are replayed CUDA graphs.
     lookahead: bool | None = None
-    # Beam search as its beams' rows of the steps where rows are not slots (chat.beams). Off: on 2
+    # Beam search as its beams' rows of the steps (chat.beams; in slots a slot per beam). Off: on 2
     # CPU cores in int8 a beam search beside greedy rows served 19-23% fewer replies/s than the static
     # batcher in a thread of its own, and the greedy rows waited longer (a CPU step's cost grows with
     # its rows, so sharing one gains nothing: docs/chat-benchmarks.md). For where a step costs the same
-    # for more rows (a GPU's slots, which do not take beams yet).
+    # for more rows (a GPU's slots): off there until measured (``bench.chat_load --schedulers
+    # step,step-beams --faithful_every 4``).
     beams: bool = False
     # On a GPU, adapters' rows in the slots too, each through its own adapter in recorded steps
     # (``chat.lora.by_lanes``); off, they go to the static batcher, whose recorded steps served ten
@@ -265,14 +267,13 @@ class StepBatcher:
 
     def takes(self, loaded, kwargs: dict) -> bool:
         """Does the step loop decode this request? Greedy or sampling (int8 layers quantize each
-        row apart in a step: ``chat.optimize.rows_apart``), with ``beams`` beam search (not sampled)
-        where rows are not slots; on a GPU, of a base model (any adapter with ``adapters_in_slots``),
-        within the decoder's positions."""
+        row apart in a step: ``chat.optimize.rows_apart``), with ``beams`` beam search (not sampled);
+        on a GPU, of a base model (any adapter with ``adapters_in_slots``), within the decoder's
+        positions."""
         model = loaded.model
         beams = beams_of(kwargs)
-        if beams > 1 and (
-            not self.beams or self._slots_for(model) or beams > self.max_batch or kwargs.get("do_sample")
-        ):
+        most = self.gpu_max_batch if self._slots_for(model) else self.max_batch
+        if beams > 1 and (not self.beams or beams > most or kwargs.get("do_sample")):
             return False
         ok = (
             int(kwargs.get("num_return_sequences") or 1) == 1
@@ -334,8 +335,11 @@ class StepBatcher:
     def _admit(self, batch, requests: list[Request], held: list[Request]) -> None:
         """Let ``requests`` join in their order while their rows fit; the rest wait in ``held`` (a
         beam-search request waits for all of its rows, and those after it wait with it)."""
-        room = (self.max_batch if isinstance(batch, _Batch) else batch.capacity) - _size(batch.rows)
-        joining = []
+        most = self.max_batch if isinstance(batch, _Batch) else batch.capacity
+        for request in [r for r in requests if beams_of(r.kwargs) > most]:  # never fits (fewer slots than
+            _fail(request, ValueError(f"{beams_of(request.kwargs)} beams: a step holds {most} rows"))  # asked)
+        requests = [r for r in requests if beams_of(r.kwargs) <= most]
+        room, joining = most - _size(batch.rows), []
         for request in requests:
             rows = beams_of(request.kwargs)
             if rows > room:

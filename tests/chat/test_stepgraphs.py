@@ -133,6 +133,12 @@ class TestInSlots:
     test_seeded = staticmethod(test_stepping.test_a_seeded_sample_is_the_same_beside_any_neighbours)
     test_adapters = staticmethod(test_stepping.test_rows_of_different_adapters_share_steps_each_through_its_own)
     test_text_streamer = staticmethod(test_stepping.test_a_text_streamer_reads_the_steps_as_it_reads_generate)
+    test_adapters_beams = staticmethod(
+        test_stepping.test_a_beam_search_of_one_adapter_shares_steps_with_another_adapters_rows
+    )
+
+    def test_beams(self, demo, static):  # noqa: F811 - a slot per beam, reordered by copies
+        test_stepping.test_beam_searches_share_steps_with_other_rows_and_reply_as_generate_alone("none", demo, static)
 
 
 @pytest.fixture
@@ -313,6 +319,40 @@ def test_graph_replays_give_the_eager_steps_tokens():
     # The recorded steps run the eager steps' kernels: the same tokens. (Against generate() alone a
     # GPU's batched products round differently; the CPU tests above check that equality.)
     assert replies[True] == replies[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_beam_searches_in_recorded_slots_give_the_eager_slots_replies():
+    """Beam searches (a slot per beam, reordered by copies between replays) beside greedy and sampled
+    rows: the recorded steps give the eager steps' replies."""
+    loaded = load_checkpoint(str(DEMO_DIR), optimize="none")
+    loaded.model.cuda()
+    engine = ChatEngine(loaded, "test", batcher=Batcher())
+    requests = [inputs(engine, i) for i in range(6)]
+    requests += [(r[0], s.generate_kwargs()) for r, s in zip(requests, test_stepping.MIXED)]
+    replies = {}
+    for graphs in (False, True):
+        stepper = StepBatcher(max_batch=32)
+        stepper.beams, stepper.cuda_graphs = True, "capture" if graphs else "off"
+        futures = [stepper.submit(loaded, *r) for r in requests]
+        replies[graphs] = [f.result(120)[0].tolist() for f in futures]
+        assert stepper.widest > 10  # beams shared steps with other rows
+    assert replies[True] == replies[False]
+
+
+def test_a_beam_search_wider_than_the_slots_fails_at_once(demo):  # noqa: F811
+    """Slots fewer than a request's beams (their memory budget cut them below ``gpu_max_batch``):
+    the request fails with the reason instead of waiting for room that never comes."""
+    engine = ChatEngine(demo, "test", batcher=Batcher())
+    stepper = StepBatcher(max_batch=8)
+    batch, held = SlotBatch(demo.model, 4, graphs=False), []
+    wide = Request(demo, inputs(engine, 0)[0], {**FAST.generate_kwargs(), "num_beams": 6})
+    narrow = Request(demo, *inputs(engine, 1))
+    stepper._admit(batch, [wide, narrow], held)
+    with pytest.raises(ValueError, match="6 beams: a step holds 4 rows"):
+        wide.future.result(1)
+    assert not held and [row.request for row in batch.rows] == [narrow]
 
 
 def test_the_slots_fit_their_memory_budget(demo):  # noqa: F811

@@ -178,7 +178,10 @@ def test_what_beam_search_the_step_loop_takes(demo, static):
     assert not stepper.takes(demo, FAITHFUL.generate_kwargs())  # 10 beams: more rows than a step has
     assert not stepper.takes(demo, {**replace(FAITHFUL, num_beams=4).generate_kwargs(), "do_sample": True})
     assert not stepper.takes(demo, {**FAST.generate_kwargs(), "num_return_sequences": 2})
-    stepper.slots = True  # a GPU's slots step one row per request: beams go to the static batcher
+    stepper.slots = True  # a GPU's slots: a slot per beam, as many as the slots (gpu_max_batch)
+    assert stepper.takes(demo, replace(FAITHFUL, num_beams=8).generate_kwargs())
+    assert not stepper.takes(demo, replace(FAITHFUL, num_beams=9).generate_kwargs())
+    stepper.beams = False
     assert not stepper.takes(demo, replace(FAITHFUL, num_beams=4).generate_kwargs())
     stepper.slots = None
     engine = ChatEngine(demo, "test", batcher=StepBatcher())
