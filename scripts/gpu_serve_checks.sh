@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The serving checks that need a GPU (docs/chat-benchmarks.md), each against the code's default in
+# the same run, results as JSON in OUT_DIR:
+#   tests  the GPU tests of chat/ (recorded steps = eager steps: greedy, adapters by lanes, beams)
+#   lanes  ten adapters, 64 chats spread over them: static batcher vs adapters' rows in the slots
+#   beams  one chat in four beam search (faithful): static batcher vs a slot per beam
+#   serve  the app through its server (gradio's /chat, the OpenAI-compatible API) vs the engine alone
+# Usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve]   (default: all four)
+# MODEL (default random-400M: the 400M architecture, random weights, offline) and REPLIES (256)
+# override the benchmarks' model and replies per round.
+set -uo pipefail
+out=${1:?usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve]}
+shift
+parts=${*:-tests lanes beams serve}
+model=${MODEL:-random-400M}
+replies=${REPLIES:-256}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+status=0
+for part in $parts; do
+  echo "== $part ($(date -u +%H:%M:%S))"
+  case $part in
+    tests) "$python" -m pytest -m gpu -q -p no:cacheprovider tests/chat ;;
+    lanes) "$python" -m bench.chat_load --model "$model" --schedulers static,step,step-lanes --concurrency 64 \
+      --replies "$replies" --max_batch 64 --adapters 10 --out "$out/lanes.json" ;;
+    beams) "$python" -m bench.chat_load --model "$model" --schedulers static,step,step-beams --concurrency 8,64 \
+      --replies "$replies" --max_batch 64 --faithful_every 4 --out "$out/beams.json" ;;
+    serve) "$python" -m bench.chat_serve --model "$model" --concurrency 1,64 --replies "$replies" \
+      --out "$out/serve.json" ;;
+    *) echo "unknown part $part (tests, lanes, beams, serve)" >&2; exit 2 ;;
+  esac || status=1
+done
+exit $status
