@@ -365,8 +365,11 @@ class ChatEngine:
         # one (a reply that came out blank) would swap who said every older turn. Keep its place.
         turns = [t or "..." for t in turns]
 
+        counted: dict[str, list[int]] = {}  # source -> its ids: the one that fits is not encoded twice
+
         def count(source: str) -> int:
-            return loaded.count(loaded.prefix + source)
+            counted[source] = loaded.encode(loaded.prefix + source)
+            return len(counted[source])
 
         # The context must leave room for the conversation, or the newest message would not fit.
         context_tokens = count(context_text) if context_text else loaded.count(loaded.prefix)
@@ -378,7 +381,7 @@ class ChatEngine:
         source, dropped = fit_source(context_text, turns, count, loaded.max_source_length)
         # No truncation=True here: it is mutable state of the shared Rust tokenizer, and a
         # concurrent session's count() would see it. Cut by hand, keeping the final </s>.
-        ids = loaded.tokenizer(loaded.prefix + source).input_ids
+        ids = counted.get(source) or loaded.encode(loaded.prefix + source)
         if len(ids) > loaded.max_source_length:
             ids = ids[: loaded.max_source_length - 1] + ids[-1:]
         input_ids = torch.tensor([ids])

@@ -66,8 +66,11 @@ class LoadedModel:
     folder: Path | None = None  # an adapter's folder (attached again after an unload)
     host: object = None  # chat.serving.Host, once adapters share ``model``
 
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
     def count(self, text: str) -> int:
-        return len(self.tokenizer(text).input_ids)
+        return len(self.encode(text))
 
     def activated(self):
         """The context in which ``model`` answers as this model: the batcher's worker runs each

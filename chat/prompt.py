@@ -182,6 +182,9 @@ def fit_source(
     binary search finds the oldest turn that fits in ~log2(max_tokens) counts.
     """
     turns = list(turns)
+    whole = join_source(context_text, turns)
+    if len(turns) <= max_tokens and count_tokens(whole) <= max_tokens:  # the common case: one count
+        return whole, 0
     low, high = max(0, len(turns) - max_tokens), len(turns) - 1  # candidates for the first kept turn
     fitted = None
     while low <= high:

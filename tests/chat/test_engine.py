@@ -373,10 +373,10 @@ def test_long_history_costs_a_bounded_number_of_token_counts(engine, demo, monke
     turns, not one per turn (which made 4,000 turns take a minute)."""
     turns = [f"turn {i}: i went to the market and bought some apples and pears" for i in range(MAX_HISTORY_TURNS - 1)]
     counted = []
-    real_count = type(demo).count
-    monkeypatch.setattr(type(demo), "count", lambda self, text: counted.append(len(text)) or real_count(self, text))
+    real_encode = type(demo).encode
+    monkeypatch.setattr(type(demo), "encode", lambda self, text: counted.append(len(text)) or real_encode(self, text))
     encoded, budget = engine.build_input(replace(DOGS, turns=turns))
-    assert len(counted) <= 12  # ~log2(128) probes + the context
+    assert len(counted) <= 12  # ~log2(128) probes + the context (the fitted source is not encoded again)
     assert max(counted) < 128 * 80  # only the newest turns are ever tokenized
     _, body = decoded_body(demo, encoded)
     assert body.endswith(turns[-1]) and budget.dropped_turns > len(turns) - 20
@@ -388,6 +388,19 @@ def test_long_history_costs_a_bounded_number_of_token_counts(engine, demo, monke
         <= demo.max_source_length
     )
     assert budget.dropped_turns == naive
+
+
+def test_a_conversation_that_fits_is_tokenized_twice(engine, demo, monkeypatch):
+    """The common case, a history that fits whole: the context counted, the whole source encoded
+    once (its ids are the input; no binary search, no second encoding). Each request pays these in
+    the chat's thread, beside the step loop's worker (docs/chat-benchmarks.md)."""
+    encoded_texts = []
+    real_encode = type(demo).encode
+    monkeypatch.setattr(type(demo), "encode", lambda self, text: encoded_texts.append(text) or real_encode(self, text))
+    turns = ["hi! what do you like to do?", "i like to walk my dogs.", "what are their names?"]
+    encoded, budget = engine.build_input(replace(DOGS, turns=turns))
+    assert len(encoded_texts) == 2 and budget.dropped_turns == 0
+    assert encoded["input_ids"][0].tolist() == demo.tokenizer(encoded_texts[-1]).input_ids
 
 
 def test_history_over_the_cap_is_refused_with_a_clear_message(engine, generate_calls):
