@@ -34,7 +34,16 @@ from chat.loading import (  # loading lives there; BASE_PREFIX, load_checkpoint,
 )
 from chat.model import ModelLoadError
 from chat.prompt import CONTROL_RE, KINDS, fit_source, format_context, neutralize
-from chat.serving import AdapterError, Models, adapter_dir, adapter_model, base_matches, canonical, mismatch, named_base
+from chat.serving import (
+    AdapterError,
+    Models,
+    adapter_dir,
+    adapter_model,
+    base_matches,
+    canonical,
+    load_base,
+    named_base,
+)
 from chat.stepping import make_batcher
 
 log = logging.getLogger(__name__)
@@ -205,7 +214,7 @@ class ChatEngine:
         if folder is None:
             return cls(load_apart(spec, optimize), f"serving {spec}", batcher)
         name, fingerprint = named_base(folder)
-        engine = cls(_load_base(folder, name, fingerprint, optimize), f"serving {name}", batcher)
+        engine = cls(load_base(folder, name, fingerprint, optimize), f"serving {name}", batcher)
         engine.swap(spec)
         return engine
 
@@ -241,7 +250,7 @@ class ChatEngine:
             loaded = self.load(spec)
         except NotOnBase:
             name, fingerprint = named_base(folder)
-            base = _load_base(folder, name, fingerprint, None)
+            base = load_base(folder, name, fingerprint, None)
             self.warm_up(base)
             loaded = apart(adapter_model, base, folder, self._models.claim(spec, str(folder)), name)
             self.warm_up(loaded)
@@ -487,16 +496,3 @@ class ChatEngine:
         text, _ = self.reply(conv, message, settings)
         conv.turns += [clean_text(message, MAX_MESSAGE_CHARS, "message"), text]
         return text
-
-
-def _load_base(folder, name: str, fingerprint: str | None, optimize: str | None) -> LoadedModel:
-    """Load the base an adapter names; refused (naming both) if it is not the one it was trained on."""
-    try:
-        base = load_apart(name, optimize)
-    except (CheckpointError, ModelLoadError) as err:
-        raise AdapterError(
-            f"{model_id(str(folder))}: its base model {model_id(name)} cannot be loaded ({err})"
-        ) from None
-    if fingerprint is not None and base.fingerprint != fingerprint:
-        raise mismatch(model_id(str(folder)), name, fingerprint, base)
-    return base

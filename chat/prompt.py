@@ -179,12 +179,14 @@ def fit_source(
 
     The work is bounded whatever the history's length: every turn takes at least one token, so
     only the newest ``max_tokens`` turns can fit, and fewer turns never take more tokens, so a
-    binary search finds the oldest turn that fits in ~log2(max_tokens) counts.
+    binary search finds the oldest turn that fits in ~log2(max_tokens) counts (after one count of
+    the whole history, which usually fits).
     """
     turns = list(turns)
-    whole = join_source(context_text, turns)
-    if len(turns) <= max_tokens and count_tokens(whole) <= max_tokens:  # the common case: one count
-        return whole, 0
+    if len(turns) <= max_tokens:  # the common case, a history that fits whole: one count
+        whole = join_source(context_text, turns)
+        if count_tokens(whole) <= max_tokens:
+            return whole, 0
     low, high = max(0, len(turns) - max_tokens), len(turns) - 1  # candidates for the first kept turn
     fitted = None
     while low <= high:

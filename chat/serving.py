@@ -38,9 +38,9 @@ from safetensors.torch import load_file
 
 from chat.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_of, is_adapter_dir
 from chat.layout import FINAL
-from chat.loading import CheckpointError, LoadedModel, input_format, model_id, training_args
+from chat.loading import CheckpointError, LoadedModel, input_format, load_apart, model_id, training_args
 from chat.lora import ServedLoraLinear, rows_of, stackable
-from chat.model import MODEL_PRESETS, load_tokenizer, resolve
+from chat.model import MODEL_PRESETS, ModelLoadError, load_tokenizer, resolve
 
 log = logging.getLogger(__name__)
 
@@ -454,3 +454,16 @@ class Models:
         if unloaded:
             log.info("unloaded adapters %s (least recently used; %s MB budget)", unloaded, host.budget_bytes >> 20)
         return unloaded
+
+
+def load_base(folder, name: str, fingerprint: str | None, optimize: str | None) -> LoadedModel:
+    """Load the base an adapter names; refused (naming both) if it is not the one it was trained on."""
+    try:
+        base = load_apart(name, optimize)
+    except (CheckpointError, ModelLoadError) as err:
+        raise AdapterError(
+            f"{model_id(str(folder))}: its base model {model_id(name)} cannot be loaded ({err})"
+        ) from None
+    if fingerprint is not None and base.fingerprint != fingerprint:
+        raise mismatch(model_id(str(folder)), name, fingerprint, base)
+    return base

@@ -203,7 +203,7 @@ class SlotBatch:
         ``lanes``: (lanes, rank) of the host's adapters, each row through its own; else the rows are
         one model's (the base's: recorded; an adapter's: eagerly, as it is active)."""
         model, sources = self.model, self.sources
-        slots = [(row, slot) for row in rows for slot in row.slots]  # a beam search's source in each of its
+        slots = [(row, slot) for row in rows for slot in row.slots]  # a beam search: its source in each beam's slot
         n = min(self.capacity, 1 << (len(slots) - 1).bit_length())
         width = _bucket(max(row.source for row in rows), sources)
         # Built as Python lists, one tensor each at the end: under load every torch call lets other
