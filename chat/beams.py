@@ -131,16 +131,16 @@ class BeamRows:
         return self.sequences[:, 0, : PROMPT + generated]
 
 
-def reorder(caches: list[torch.Tensor], beams: list) -> None:
+def reorder(cache: torch.Tensor, beams: list) -> None:
     """In slots (``chat.stepgraphs``): each beam search's hypotheses that go on read their parents'
     self-attention caches, as generate() reorders its cache: the slot of beam ``i`` takes a copy of
-    the slot of beam ``order[i]``, for every beam search of a step at once (two calls per cache)."""
+    the slot of beam ``order[i]``, for every beam search of a step and every layer at once (two
+    calls). ``cache``: (keys and values, layers, slots, heads, columns, head size)."""
     pairs = [(slot, row.slots[parent]) for row in beams for slot, parent in zip(row.slots, row.order.tolist())]
     pairs = [(to, of) for to, of in pairs if to != of]
     if not pairs:
         return
-    to, of = (torch.tensor(side, device=caches[0].device) for side in zip(*pairs))
+    to, of = (torch.tensor(side, device=cache.device) for side in zip(*pairs))
     columns = max(row.cur_len for row in beams)  # the columns the hypotheses have (and one spare)
-    for cache in caches:  # (slots, heads, columns, head size)
-        kept = cache[:, :, :columns]
-        kept.index_copy_(0, to, kept.index_select(0, of))
+    kept = cache[..., :columns, :]
+    kept.index_copy_(2, to, kept.index_select(2, of))

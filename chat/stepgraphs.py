@@ -105,8 +105,9 @@ class SlotBatch:
         def zeros(*shape, **kw):
             return torch.zeros(*shape, device=device, **{"dtype": dtype, **kw})
 
-        self.self_keys = [zeros(c, heads, self.columns, dim) for _ in range(layers)]
-        self.self_values = [zeros(c, heads, self.columns, dim) for _ in range(layers)]
+        # Views of one tensor: a beam search's reorder is two calls for all layers (chat.beams.reorder).
+        self.self_cache = zeros(2, layers, c, heads, self.columns, dim)
+        self.self_keys, self.self_values = list(self.self_cache[0]), list(self.self_cache[1])
         # What joining writes has one more row, slot ``c``: a join is recorded for a power-of-two
         # number of joiners, and the padding rows write there (no step reads it).
         j = c + 1
@@ -431,7 +432,7 @@ class SlotBatch:
                     done.append(row)
                 at += row.width
             beams = [row for row in others if row.order is not None and row not in done]
-            reorder(self.self_keys + self.self_values, beams)  # the hypotheses that go on, in their slots
+            reorder(self.self_cache, beams)  # the hypotheses that go on, in their slots
             chosen = [token for row in others for token in row.last()[:, 0].tolist()]  # each beam's, reordered
             self.choice[own] = torch.tensor(chosen, device=own.device)
             self._advance(width)
