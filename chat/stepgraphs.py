@@ -177,7 +177,7 @@ class SlotBatch:
             if row.source > self.sources:
                 raise ValueError(f"a source of {row.source} tokens is over the encoder's {self.sources} positions")
             row.slots, free = free[: row.width], free[row.width :]  # a beam search: a slot per beam
-            row.slot, row.tokens = row.slots[0], [start]
+            row.tokens = [start]
             groups.setdefault(id(request.loaded), []).append(row)
             made.append(row)
         try:
@@ -441,7 +441,7 @@ class SlotBatch:
         for row in rows:
             if row.plain is None:
                 continue
-            token = chosen[row.slot]
+            token = chosen[row.slots[0]]
             row.tokens.append(token)
             if row.request.streamer is not None:
                 handed.append((row.request.streamer, token))

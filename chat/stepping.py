@@ -336,10 +336,13 @@ class StepBatcher:
         """Let ``requests`` join in their order while their rows fit; the rest wait in ``held`` (a
         beam-search request waits for all of its rows, and those after it wait with it)."""
         most = self.max_batch if isinstance(batch, _Batch) else batch.capacity
-        for request in [r for r in requests if beams_of(r.kwargs) > most]:  # never fits (fewer slots than
-            _fail(request, ValueError(f"{beams_of(request.kwargs)} beams: a step holds {most} rows"))  # asked)
-        requests = [r for r in requests if beams_of(r.kwargs) <= most]
-        room, joining = most - _size(batch.rows), []
+        fits = []
+        for request in requests:
+            if beams_of(request.kwargs) > most:  # never fits (the slots' budget made fewer than asked)
+                _fail(request, ValueError(f"{beams_of(request.kwargs)} beams: a step holds {most} rows"))
+            else:
+                fits.append(request)
+        requests, room, joining = fits, most - _size(batch.rows), []
         for request in requests:
             rows = beams_of(request.kwargs)
             if rows > room:

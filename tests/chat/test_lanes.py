@@ -131,7 +131,7 @@ def test_rows_keep_their_replies_when_their_adapter_moves_lanes(served, tmp_path
             for row in batch.step():
                 out[rows.index(row)] = row.ids[0].tolist()
     assert [out[i] for i in range(3)] == expected
-    assert batch._lanes[rows[0].slot] != 1  # it moved
+    assert batch._lanes[rows[0].slots[0]] != 1  # it moved
     host.detach(other.adapter)
 
 

@@ -301,43 +301,31 @@ def test_the_recorded_step_reads_no_tensor_data_on_the_host(demo, static):  # no
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_replays_give_the_eager_steps_tokens():
+@pytest.mark.parametrize("beams", [False, True])
+def test_graph_replays_give_the_eager_steps_tokens(beams):
+    """Greedy and sampled rows; with ``beams`` beam searches too (a slot per beam, reordered by
+    copies between replays) beside them."""
     loaded = load_checkpoint(str(DEMO_DIR), optimize="none")
     loaded.model.cuda()
     engine = ChatEngine(loaded, "test", batcher=Batcher())
-    requests = [inputs(engine, i) for i in range(12)]
+    requests = [inputs(engine, i) for i in range(6 if beams else 12)]
+    if beams:
+        requests += [(r[0], s.generate_kwargs()) for r, s in zip(requests, test_stepping.MIXED)]
+    width = 32 if beams else 8
     replies = {}
     for graphs in (False, True):
-        stepper = StepBatcher(max_batch=8)
-        stepper.cuda_graphs = "capture" if graphs else "off"
+        stepper = StepBatcher(max_batch=width)
+        stepper.beams, stepper.cuda_graphs = beams, "capture" if graphs else "off"
         futures = [stepper.submit(loaded, *r) for r in requests]
         replies[graphs] = [f.result(120)[0].tolist() for f in futures]
         from chat import stepgraphs
 
-        batch = stepgraphs.for_model(loaded.model, 8, graphs)
+        batch = stepgraphs.for_model(loaded.model, width, graphs)
         assert (batch.replays > 0) == graphs and batch.graph_bytes >= 0
+        if beams:
+            assert stepper.widest > 10  # beams shared steps with other rows
     # The recorded steps run the eager steps' kernels: the same tokens. (Against generate() alone a
     # GPU's batched products round differently; the CPU tests above check that equality.)
-    assert replies[True] == replies[False]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_beam_searches_in_recorded_slots_give_the_eager_slots_replies():
-    """Beam searches (a slot per beam, reordered by copies between replays) beside greedy and sampled
-    rows: the recorded steps give the eager steps' replies."""
-    loaded = load_checkpoint(str(DEMO_DIR), optimize="none")
-    loaded.model.cuda()
-    engine = ChatEngine(loaded, "test", batcher=Batcher())
-    requests = [inputs(engine, i) for i in range(6)]
-    requests += [(r[0], s.generate_kwargs()) for r, s in zip(requests, test_stepping.MIXED)]
-    replies = {}
-    for graphs in (False, True):
-        stepper = StepBatcher(max_batch=32)
-        stepper.beams, stepper.cuda_graphs = True, "capture" if graphs else "off"
-        futures = [stepper.submit(loaded, *r) for r in requests]
-        replies[graphs] = [f.result(120)[0].tolist() for f in futures]
-        assert stepper.widest > 10  # beams shared steps with other rows
     assert replies[True] == replies[False]
 
 
