@@ -233,22 +233,12 @@ class StepGraphs:
             cache.is_updated.clear()
             cache.is_updated.update(updated)
 
+        def body() -> None:
+            recorded.output = eager(**static)
+
         try:
-            # Warm up on a side stream (as torch.cuda.graphs asks; it also allocates a fresh cache's
-            # tensors), then rewind the cache.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                eager(**static)
-            torch.cuda.current_stream().wait_stream(side)
-            rewind()
-            graph = torch.cuda.CUDAGraph()
-            before = torch.cuda.memory_reserved()
-            # thread_local: a model loading in another thread meanwhile (a swap) must not void it.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                recorded.output = eager(**static)
-            # The graph's private memory pool counts against the budget with the caches.
-            entry.bytes += max(0, torch.cuda.memory_reserved() - before)
+            graph, held = record(body, rewind=rewind)
+            entry.bytes += held  # the graph's private memory pool counts against the budget with the caches
             rewind()  # recording ran the Python (flags) but no kernels
         except Exception as err:  # some model code cannot be captured: serve this shape eagerly
             log.warning("CUDA-graph capture failed (%s: %s); decoding this shape eagerly", type(err).__name__, err)
@@ -257,6 +247,34 @@ class StepGraphs:
             return False
         recorded.graph = graph
         return True
+
+
+def record(body, warm=None, rewind=None, pool=None) -> tuple[torch.cuda.CUDAGraph, int]:
+    """``body`` recorded as a CUDA graph, and the memory its recording reserved (what its memory pool
+    took: budgets count it). As torch.cuda.graphs asks, ``warm`` (else ``body``) runs once first on
+    a side stream, then ``rewind()`` undoes what that changed. Raises where ``body`` cannot be
+    captured (some model code cannot).
+
+    One recording at a time in the process (PyTorch allows no more): the static batcher records
+    beam searches' steps in its thread while the step loop records its own in another, and two
+    captures at once failed (cudaErrorIllegalState), then crashed the process, on an H200."""
+    with _RECORDING:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            (warm or body)()
+        torch.cuda.current_stream().wait_stream(side)
+        if rewind is not None:
+            rewind()
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_reserved()
+        # thread_local: other threads' work meanwhile (a model loading, other rows' eager steps) must not void it.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            body()
+        return graph, max(0, torch.cuda.memory_reserved() - before)
+
+
+_RECORDING = threading.Lock()  # see record()
 
 
 _PER_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -46,8 +46,8 @@ own adapter from every layer's adapters stacked by lane (``chat.lora.by_lanes``:
 device tensor, so one recorded step serves any mix), recorded per set of lanes and re-recorded when
 the adapters change (the host's ``version``); an adapter peft alone serves (DoRA, a bias of its own)
 makes its steps eager, rows of different adapters through peft's mixed-batch forward. On a GPU
-``chat.stepping`` sends adapters' and beam searches' requests to the static batcher unless
-``adapters_in_slots`` and ``beams``.
+``chat.stepping`` sends beam searches' requests to the static batcher unless ``beams``, adapters'
+if ``adapters_in_slots`` is turned off.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from chat.batching import Request, hand_ids
 from chat.beams import reorder
+from chat.graphs import record
 from chat.greedy import UNPROCESSED, choose_greedy
 from chat.lora import by_lanes, lane_mask, stack_all
 from chat.rows import beams_of, eos_mask, eos_of, member
@@ -463,21 +464,12 @@ class SlotBatch:
             return self._graphs[key]
         if self.cache_bytes + self.graph_bytes >= self.budget_bytes:
             return None
-        before = torch.cuda.memory_reserved()
-        graph = torch.cuda.CUDAGraph()
         try:
-            side = torch.cuda.Stream()  # warm up as torch.cuda.graphs asks (a body rewrites the
-            side.wait_stream(torch.cuda.current_stream())  # same tensors: it can run twice)
-            with torch.cuda.stream(side):
-                (warm or body)()
-            torch.cuda.current_stream().wait_stream(side)
-            # thread_local: a model loading in another thread meanwhile must not void it.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                body()
+            graph, held = record(body, warm, pool=self._pool)  # (``warm`` must leave the rows as they were)
+            self.graph_bytes += held
         except Exception as err:  # some model code cannot be captured: this shape runs eagerly
             log.warning("CUDA-graph capture of %s failed (%s: %s)", key, type(err).__name__, err)
             graph = None
-        self.graph_bytes += max(0, torch.cuda.memory_reserved() - before)
         self._graphs[key] = graph
         return graph
 

@@ -1,6 +1,7 @@
 """chat/graphs.py: generate() through StepGraphs gives the sequences plain generate() gives (beam
 search, greedy, sampling, padded batches), the model's forward is put back, the decoder step never
-reads tensor data on the host (what a CUDA-graph capture needs), and on a GPU the steps replay."""
+reads tensor data on the host (what a CUDA-graph capture needs), and on a GPU the steps replay and
+threads that record at once take turns."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from transformers import AutoTokenizer
 
 from chat.fastgen import CACHE_KWARG, fast_kwargs
-from chat.graphs import StepGraphs, _Entry, cache_bytes, cache_length, for_model
+from chat.graphs import StepGraphs, _Entry, cache_bytes, cache_length, for_model, record
 from chat.model import load_model
 
 TEXTS = ["chatbot: hello there, how are you doing today?", "chatbot: your persona: i like jazz. </s>  <s> hi"]
@@ -231,3 +232,42 @@ def test_graph_replay_gives_the_sequences_of_plain_generate(tiny_path, strategy)
     assert graphs.replays > 0 and not any(entry.failed for entry in graphs._entries.values())
     # every step came from a graph, the first included: one replay per new token per generate() call
     assert all(entry.first.graph is not None and entry.step.graph is not None for entry in graphs._entries.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_threads_recording_at_once_take_turns():
+    # The static batcher (beam searches) and the step loop record in threads of their own; two
+    # captures at once failed with cudaErrorIllegalState, then crashed the process (an H200).
+    import threading
+
+    start, results, errors = threading.Barrier(2), {}, []
+
+    def record_and_replay(k: int) -> None:
+        torch.manual_seed(k)
+        x, y = torch.rand(64, 64, device="cuda"), torch.empty(64, 64, device="cuda")
+
+        def body():  # long enough for the two threads' recordings to overlap
+            z = x
+            for _ in range(200):
+                z = torch.tanh(z @ x)
+            y.copy_(z)
+
+        body()
+        expected = y.cpu()
+        start.wait()
+        try:
+            for _ in range(10):
+                y.zero_()
+                graph, _ = record(body)
+                graph.replay()
+                results.setdefault(k, []).append(torch.allclose(y.cpu(), expected))
+        except Exception as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=record_and_replay, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and results == {0: [True] * 10, 1: [True] * 10}
