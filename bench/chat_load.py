@@ -39,7 +39,7 @@ from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.model import ModelLoadError
 from chat.stepping import StepBatcher
 
-SCHEDULERS = ("static", "step", "step-serial", "step-eager", "step-beams", "step-lanes")
+SCHEDULERS = ("static", "step", "step-serial", "step-eager", "step-beams", "step-lanes", "step-apart")
 
 
 def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
@@ -48,7 +48,9 @@ def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
     same, one step at a time; ``step-eager``: the step loop without graphs; ``step-beams``: the step
     loop with beam search in its steps (``StepBatcher.beams``, off by default; in slots a slot per
     beam); ``step-lanes``: on a GPU adapters' rows in the slots too, each through its own adapter by
-    lanes in recorded steps (``StepBatcher.adapters_in_slots``; off by default)."""
+    lanes in recorded steps (``StepBatcher.adapters_in_slots``, the default since 2026-12-05: the
+    same as ``step``); ``step-apart``: on a GPU adapters' requests to the static batcher instead (the
+    default before)."""
     if scheduler == "static":
         return Batcher(max_batch=max_batch)
     if scheduler not in SCHEDULERS:
@@ -62,8 +64,8 @@ def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
         stepper.lookahead = False
     if scheduler == "step-beams":
         stepper.beams = True
-    if scheduler == "step-lanes":
-        stepper.adapters_in_slots = True
+    if scheduler in ("step-lanes", "step-apart"):
+        stepper.adapters_in_slots = scheduler == "step-lanes"
     return stepper
 
 

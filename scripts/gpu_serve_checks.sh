@@ -2,7 +2,8 @@
 # The serving checks that need a GPU (docs/chat-benchmarks.md), each against the code's default in
 # the same run, results as JSON in OUT_DIR:
 #   tests  the GPU tests of chat/ (recorded steps = eager steps: greedy, adapters by lanes, beams)
-#   lanes  ten adapters, 64 chats spread over them: static batcher vs adapters' rows in the slots
+#   lanes  ten adapters, 64 chats spread over them: static batcher vs adapters' rows in the slots (the
+#          default), then the base alone
 #   beams  one chat in four beam search (faithful): static batcher vs a slot per beam
 #   serve  the app through its server (gradio's /chat, the OpenAI-compatible API) vs the engine alone
 # Usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve]   (default: all four)
@@ -21,8 +22,10 @@ for part in $parts; do
   echo "== $part ($(date -u +%H:%M:%S))"
   case $part in
     tests) "$python" -m pytest -m gpu -q -p no:cacheprovider tests/chat ;;
-    lanes) "$python" -m bench.chat_load --model "$model" --schedulers static,step,step-lanes --concurrency 64 \
-      --replies "$replies" --max_batch 64 --adapters 10 --out "$out/lanes.json" ;;
+    lanes) "$python" -m bench.chat_load --model "$model" --schedulers static,step-apart,step --concurrency 64 \
+      --replies "$replies" --max_batch 64 --adapters 10 --out "$out/lanes.json" &&
+      "$python" -m bench.chat_load --model "$model" --schedulers step --concurrency 64 \
+      --replies "$replies" --max_batch 64 --out "$out/lanes-base.json" ;;  # the base alone, no adapters
     beams) "$python" -m bench.chat_load --model "$model" --schedulers static,step,step-beams --concurrency 8,64 \
       --replies "$replies" --max_batch 64 --faithful_every 4 --out "$out/beams.json" ;;
     serve) "$python" -m bench.chat_serve --model "$model" --concurrency 1,64 --replies "$replies" \
