@@ -32,7 +32,7 @@ graph (``chat.stepgraphs.SlotBatch``: the same ``step``, requests join several a
 step starts before a step's tokens are handed out); there adapters' and beam-search requests go to
 each row of a LoRA adapter through its own adapter by lanes (``adapters_in_slots``: 2.2x the static
 batcher's replies/s for ten adapters on an H200), and beam searches go to the static batcher, whose
-recorded steps (``chat.graphs``) serve them, unless ``beams`` (a slot per beam: not yet measured there).
+recorded steps (``chat.graphs``) serve them, unless ``beams`` (a slot per beam: slower there too).
 
 A request's settings become transformers' processors in ``chat.rows``.
 """
@@ -256,9 +256,10 @@ class StepBatcher:
     # Beam search as its beams' rows of the steps (chat.beams; in slots a slot per beam). Off: on 2
     # CPU cores in int8 a beam search beside greedy rows served 19-23% fewer replies/s than the static
     # batcher in a thread of its own, and the greedy rows waited longer (a CPU step's cost grows with
-    # its rows, so sharing one gains nothing: docs/chat-benchmarks.md). For where a step costs the same
-    # for more rows (a GPU's slots): off there until measured (``bench.chat_load --schedulers
-    # step,step-beams --faithful_every 4``).
+    # its rows, so sharing one gains nothing: docs/chat-benchmarks.md). In a GPU's slots, where a
+    # step costs the same for more rows, the worker's host-side choice per beam search per step cost
+    # more: one chat in four faithful, 8 / 64 chats on an H100, 27.7 / 82.9 replies/s off, 17.0 /
+    # 24.7 on (``bench.chat_load --schedulers step,step-beams --faithful_every 4``).
     beams: bool = False
     # On a GPU, adapters' rows in the slots too, each through its own adapter in recorded steps
     # (``chat.lora.by_lanes``). Off, they go to the static batcher: ten adapters, 64 chats on an
