@@ -29,10 +29,10 @@ replies, measured slower on a CPU). Rows of different LoRA adapters of one base 
 
 On a GPU the rows live in fixed-address slots and each step and each join is replayed from a CUDA
 graph (``chat.stepgraphs.SlotBatch``: the same ``step``, requests join several at a time, and the next
-step starts before a step's tokens are handed out); there adapters' and beam-search requests go to
-each row of a LoRA adapter through its own adapter by lanes (``adapters_in_slots``: 2.2x the static
-batcher's replies/s for ten adapters on an H200), and beam searches go to the static batcher, whose
-recorded steps (``chat.graphs``) serve them, unless ``beams`` (a slot per beam: slower there too).
+step starts before a step's tokens are handed out); there each row of a LoRA adapter goes through
+its own adapter by lanes (``adapters_in_slots``: 2.2x the static batcher's replies/s for ten adapters
+on an H200), and beam searches go to the static batcher, whose recorded steps (``chat.graphs``) serve
+them, unless ``beams`` (a slot per beam: slower there too).
 
 A request's settings become transformers' processors in ``chat.rows``.
 """
