@@ -80,6 +80,12 @@ def fake_run(manager: RunManager, run_id: str, code: str) -> subprocess.Popen:
         "attempts": [],
     }
     (run_dir / "run.json").write_text(json.dumps(info))
+    # Until the child has exec'd, /proc shows it with pytest's argv: a run not alive yet, which a
+    # Stop at once would leave alone (seen on a busy 2-core CI machine). Wait until it is ours.
+    deadline = time.monotonic() + TIMEOUT
+    while proc.pid not in training_processes(run_dir):
+        assert proc.poll() is None and time.monotonic() < deadline, "the stub run never showed up in /proc"
+        time.sleep(0.01)
     return proc
 
 
