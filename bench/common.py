@@ -104,6 +104,8 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if not latencies:  # nothing to measure: say why rather than fail on the percentiles
+        raise RuntimeError(f"all {replies} replies failed; the first: {errors[0] if errors else 'no error recorded'}")
     return {
         "clients": clients,
         "replies": replies,

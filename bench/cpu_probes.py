@@ -17,6 +17,7 @@ import torch
 
 from bench.common import quiet_transformers, sample_rows
 from chat.engine import BASE_PREFIX, GENERATION_PRESETS, GenerationSettings, load_checkpoint
+from chat.fastgen import CACHE_KWARG
 from chat.layout import ROOT
 from chat.model import load_model, load_tokenizer
 from chat.optimize import Int8Linear, memory_mib, optimize_for_cpu
@@ -191,7 +192,7 @@ def decoder_step_split(model, input_ids, steps: int = 24) -> dict:
         token = torch.tensor([[model.config.decoder_start_token_id]])
 
         def step():
-            out = model(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token, past_key_values=cache)
+            out = model(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token, **{CACHE_KWARG: cache})
             return out.logits[:, -1:].argmax(-1)
 
         walls = []

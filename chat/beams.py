@@ -79,6 +79,7 @@ class BeamRows:
             do_sample=False,
             beams_to_keep=self.keep,
             num_beams=k,
+            vocab_size=logits.shape[-1],  # transformers before 5.24 asks for it; later ones ignore it
             batch_size=1,
         )
         hits = self.stop(topk_sequences[0, :, : cur + 1], None)[None]

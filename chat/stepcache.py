@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import EncoderDecoderCache
 
+from chat.fastgen import CACHE_KWARG
+
 
 class SelfAttention:
     """The decoder's self-attention cache for all rows, right-aligned: after a step a row's keys
@@ -125,3 +127,11 @@ class SlotSelfAttention:
         keys[self.rows, :, self.positions] = key[:, :, 0]
         values[self.rows, :, self.positions] = value[:, :, 0]
         return keys[:, :, : self.columns], values[:, :, : self.columns]
+
+
+def decoder_layer(layer, hidden, self_mask, cross_keys, cross_mask, cache: StepCache) -> torch.Tensor:
+    """One decoder layer's step over ``cache``: passed by the keyword the installed transformers
+    names it (``cache`` from 5.24, ``past_key_values`` before; a wrong name is swallowed by the
+    layer's ``**kwargs`` and the step then attends to its own token alone)."""
+    out = layer(hidden, self_mask, cross_keys, encoder_attention_mask=cross_mask, **{CACHE_KWARG: cache})
+    return out[0] if isinstance(out, tuple) else out

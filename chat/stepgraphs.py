@@ -65,7 +65,7 @@ from chat.graphs import record
 from chat.greedy import UNPROCESSED, choose_greedy
 from chat.lora import by_lanes, lane_mask, stack_all
 from chat.rows import beams_of, eos_mask, eos_of, member
-from chat.stepcache import Layer, SlotSelfAttention, StepCache, cross_keys_values
+from chat.stepcache import Layer, SlotSelfAttention, StepCache, cross_keys_values, decoder_layer
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +289,7 @@ class SlotBatch:
         # work here; PyTorch's plain math path (two batched products) reads each key once.
         with sdpa_kernel(SDPBackend.MATH), self._through(lanes, self.lane[:width]):
             for layer in decoder.layers:
-                out = layer(hidden, self_mask, cross[0].keys, encoder_attention_mask=cross_mask, cache=cache)
-                hidden = out[0] if isinstance(out, tuple) else out
+                hidden = decoder_layer(layer, hidden, self_mask, cross[0].keys, cross_mask, cache)
         logits = model.lm_head(decoder.layer_norm(hidden)) + model.final_logits_bias.to(hidden.device)
         logits = logits[:, -1].float()
         self.logits[:width].copy_(logits)

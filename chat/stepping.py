@@ -53,7 +53,7 @@ from chat import stepgraphs
 from chat.batching import Batcher, Request
 from chat.optimize import rows_apart
 from chat.rows import beams_of, choose_plain, eos_mask, eos_of, member
-from chat.stepcache import Layer, SelfAttention, StepCache, cross_keys_values, stacked
+from chat.stepcache import Layer, SelfAttention, StepCache, cross_keys_values, decoder_layer, stacked
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,7 @@ class _Batch:
         # A request's beams are quantized together (int8), as generate() alone runs them.
         with rows_apart(tuple(row.width for row in rows)) if len(rows) < len(lengths) else nullcontext():
             for layer in decoder.layers:
-                out = layer(hidden, masks[0], self.cross[0].keys, encoder_attention_mask=masks[1], cache=cache)
-                hidden = out[0] if isinstance(out, tuple) else out
+                hidden = decoder_layer(layer, hidden, masks[0], self.cross[0].keys, masks[1], cache)
             logits = model.lm_head(decoder.layer_norm(hidden)) + model.final_logits_bias.to(hidden.device)
         logits = logits[:, -1].to(copy=True, dtype=torch.float32, device="cpu")
         starts = list(itertools.accumulate((row.width for row in rows), initial=0))
@@ -365,6 +364,7 @@ class StepBatcher:
                 with torch.inference_mode():
                     batch.join_all(joining)
             except BaseException as err:  # noqa: BLE001
+                log.exception("a join of %d requests failed; each gets the error", len(joining))
                 for request in joining:
                     _fail(request, err)
 
@@ -379,6 +379,7 @@ class StepBatcher:
                     ahead = self.lookahead if self.lookahead is not None else batch.graphs_on
                     done = batch.step(between=lambda: self._gather(batch, held), ahead=ahead)
         except BaseException as err:  # noqa: BLE001 - every row in the step learns about it
+            log.exception("a decoding step of %d rows failed; each gets the error", len(rows))
             for row in {id(r): r for r in [*rows, *batch.rows]}.values():  # and any that joined
                 _fail(row.request, err)
             with torch.inference_mode():  # the slots' tensors are inference tensors
