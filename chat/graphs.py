@@ -241,6 +241,7 @@ class StepGraphs:
             entry.bytes += held  # the graph's private memory pool counts against the budget with the caches
             rewind()  # recording ran the Python (flags) but no kernels
         except Exception as err:  # some model code cannot be captured: serve this shape eagerly
+            entry.bytes += getattr(err, "held", 0)  # what the failed recording reserved
             log.warning("CUDA-graph capture failed (%s: %s); decoding this shape eagerly", type(err).__name__, err)
             recorded.failed = True
             rewind()
@@ -268,10 +269,22 @@ def record(body, warm=None, rewind=None, pool=None) -> tuple[torch.cuda.CUDAGrap
             rewind()
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_reserved()
-        # thread_local: other threads' work meanwhile (a model loading, other rows' eager steps) must not void it.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            body()
+        try:
+            # thread_local: other threads' work meanwhile (a model loading, other rows' eager steps) must not void it.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                body()
+        except Exception as err:
+            raise CaptureError(err, max(0, torch.cuda.memory_reserved() - before)) from err
         return graph, max(0, torch.cuda.memory_reserved() - before)
+
+
+class CaptureError(RuntimeError):
+    """A recording that failed, with the memory reserved while it ran (``held``): a pool shared
+    with other graphs keeps it, so budgets count it as they count a recorded graph's."""
+
+    def __init__(self, err: Exception, held: int):  # noqa: D107
+        super().__init__(f"{type(err).__name__}: {err}")
+        self.held = held
 
 
 _RECORDING = threading.Lock()  # see record()

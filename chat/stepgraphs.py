@@ -467,6 +467,7 @@ class SlotBatch:
             graph, held = record(body, warm, pool=self._pool)  # (``warm`` must leave the rows as they were)
             self.graph_bytes += held
         except Exception as err:  # some model code cannot be captured: this shape runs eagerly
+            self.graph_bytes += getattr(err, "held", 0)  # the shared pool keeps what the failed one took
             log.warning("CUDA-graph capture of %s failed (%s: %s)", key, type(err).__name__, err)
             graph = None
         self._graphs[key] = graph

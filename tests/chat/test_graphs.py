@@ -271,3 +271,27 @@ def test_threads_recording_at_once_take_turns():
     for thread in threads:
         thread.join()
     assert not errors and results == {0: [True] * 10, 1: [True] * 10}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_failed_recording_reports_what_its_pool_took():
+    # The slots' graphs share one pool, which keeps what a failed recording reserved: the budget
+    # must count it, or failed shapes grow the pool past it unseen.
+    from chat.graphs import CaptureError
+
+    pool = torch.cuda.graph_pool_handle()
+    keep = []
+
+    def body():  # 64 MiB from the pool, then a read on the host, which no recording allows
+        keep.append(torch.ones(16 << 20, device="cuda"))
+        keep[-1].sum().item()
+
+    with pytest.raises(CaptureError) as failed:
+        record(body, warm=lambda: None, pool=pool)
+    assert failed.value.held >= 64 << 20
+    x = torch.rand(8, device="cuda")  # the process serves on: an eager op and a recording after it
+    graph, _ = record(lambda: x.mul_(2), pool=pool)
+    before = x.clone()
+    graph.replay()
+    assert torch.equal(x, before * 2)
