@@ -1,21 +1,19 @@
 """Print `name==version` for the packages the GPU host lacks and the named ones need.
 
 Walks the requirements of the given distributions as installed in THIS environment (the project's
-.venv, so the versions are the ones the project is tested with), leaving out every package whose
+.venv, so the versions are the ones the project is tested with), leaving out every requirement whose
 name is in the image's list (scripts/gpu_image_packages.txt, from the device's KINDS.md) and torch
-and transformers (the host's own CUDA builds serve; chat/ works on transformers 5.17 too).
+and transformers (the host's own CUDA builds serve; chat/ works on transformers 5.17 too). The named
+packages themselves are always printed, listed in the image or not (peft: the image's is another
+version).
 Used by scripts/gpu_site.sh.
 """
 
-import re
 import sys
 from importlib.metadata import PackageNotFoundError, distribution
 
 from packaging.requirements import Requirement
-
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+from packaging.utils import canonicalize_name as norm
 
 
 def main(image_list: str, *names: str) -> None:

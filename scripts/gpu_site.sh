@@ -6,6 +6,7 @@
 #   tar -C /tmp -xJf .whl/gpusite.tar.xz && export PYTHONPATH=/tmp/gpusite:$PWD
 set -euo pipefail
 out=${1:-.whl/gpusite.tar.xz}
+[ -x .venv/bin/python ] || { echo "no .venv here: run make .venv/.ready-dev first, from the project root" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 .venv/bin/python scripts/gpu_closure.py scripts/gpu_image_packages.txt \
