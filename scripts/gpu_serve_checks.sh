@@ -17,6 +17,29 @@ model=${MODEL:-random-400M}
 replies=${REPLIES:-256}
 python=${PYTHON:-python3}
 mkdir -p "$out"
+# The app started apart, its log in OUT_DIR/app.log, both processes under a time limit that makes
+# Python print every thread's stack (faulthandler) instead of hanging silently: a call on the H100
+# once printed nothing for 4.5 minutes here, with the app's output kept inside the benchmark.
+serve_checks() {
+  local port=${PORT:-7861} limit=${SERVE_LIMIT_S:-420} app
+  CHAT_MODEL="$model" GRADIO_SERVER_NAME=127.0.0.1 GRADIO_SERVER_PORT=$port GRADIO_ANALYTICS_ENABLED=False \
+    PERSONA_CHAT_BEHIND_PROXY=1 timeout -s ABRT "$limit" "$python" -X faulthandler app.py > "$out/app.log" 2>&1 &
+  app=$!
+  for _ in $(seq 300); do
+    "$python" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/config', timeout=2)" \
+      2> /dev/null && break
+    kill -0 $app 2> /dev/null || { echo "app.py ended before it served:"; tail -30 "$out/app.log"; return 1; }
+    sleep 1
+  done
+  echo "app up ($(date -u +%H:%M:%S))"
+  timeout -s ABRT "$limit" "$python" -X faulthandler -m bench.chat_serve --url "http://127.0.0.1:$port/" \
+    --model "$model" --concurrency 1,64 --replies "$replies" --out "$out/serve.json"
+  local rc=$?
+  kill $app 2> /dev/null
+  wait $app 2> /dev/null
+  return $rc
+}
+
 status=0
 for part in $parts; do
   echo "== $part ($(date -u +%H:%M:%S))"
@@ -28,8 +51,7 @@ for part in $parts; do
       --replies "$replies" --max_batch 64 --out "$out/lanes-base.json" ;;  # the base alone, no adapters
     beams) "$python" -m bench.chat_load --model "$model" --schedulers static,step,step-beams --concurrency 8,64 \
       --replies "$replies" --max_batch 64 --faithful_every 4 --out "$out/beams.json" ;;
-    serve) "$python" -m bench.chat_serve --model "$model" --concurrency 1,64 --replies "$replies" \
-      --out "$out/serve.json" ;;
+    serve) serve_checks ;;
     *) echo "unknown part $part (tests, lanes, beams, serve)" >&2; exit 2 ;;
   esac || status=1
 done
