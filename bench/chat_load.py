@@ -38,8 +38,9 @@ from chat.batching import Batcher
 from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.model import ModelLoadError
 from chat.stepping import StepBatcher
+from chat.stepproc import ProcessBatcher
 
-SCHEDULERS = ("static", "step", "step-serial", "step-eager", "step-beams", "step-lanes", "step-apart")
+SCHEDULERS = ("static", "step", "step-serial", "step-eager", "step-beams", "step-lanes", "step-apart", "step-process")
 
 
 def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
@@ -50,7 +51,8 @@ def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
     beam); ``step-lanes``: on a GPU adapters' rows in the slots too, each through its own adapter by
     lanes in recorded steps (``StepBatcher.adapters_in_slots``, the default since 2026-12-05: the
     same as ``step``); ``step-apart``: on a GPU adapters' requests to the static batcher instead (the
-    default before)."""
+    default before); ``step-process``: ``step``'s worker in a process of its own (``chat.stepproc``,
+    on the CPU too here)."""
     if scheduler == "static":
         return Batcher(max_batch=max_batch)
     if scheduler not in SCHEDULERS:
@@ -66,6 +68,8 @@ def make_batcher(scheduler: str, max_batch: int) -> Batcher | StepBatcher:
         stepper.beams = True
     if scheduler in ("step-lanes", "step-apart"):
         stepper.adapters_in_slots = scheduler == "step-lanes"
+    if scheduler == "step-process":
+        return ProcessBatcher(max_batch, local=stepper, devices=("cpu", "cuda"))
     return stepper
 
 
@@ -164,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             replies = max(args.replies, clients)
             for name in schedulers:
                 engine._batcher = batchers[name]
+                sent = getattr(engine._batcher, "sent", None)  # replies an engine process served
                 result = load_round(engine, chats, clients, replies, settings, not args.no_stream, other)
-                results.append({"scheduler": name, **result})
+                apart = None if sent is None else engine._batcher.sent - sent
+                results.append({"scheduler": name, **result, "engine_process_replies": apart})
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()
     header = (

@@ -58,7 +58,7 @@ from chat.stepcache import Layer, SelfAttention, StepCache, cross_keys_values, d
 log = logging.getLogger(__name__)
 
 SCHEDULER_ENV = "CHAT_SCHEDULER"
-SCHEDULERS = ("step", "static")
+SCHEDULERS = ("step", "static", "process")
 # Rows per step on a CPU, measured with bench.chat_load on 2 idle cores (400M int8, 16 clients: 8 rows
 # 3.81 replies/s and first text after 2.53 s, 16 rows 4.38 and 0.83 s, 32 rows 4.75 and 0.76 s; the
 # app's 16 at once, app.CONCURRENCY, fill 16; docs/chat-benchmarks.md).
@@ -90,7 +90,8 @@ GPU_MAX_BATCH = 256
 
 
 def scheduler(value: str | None = None) -> str:
-    """CHAT_SCHEDULER's value (``step``: this module, ``static``: chat.batching alone)."""
+    """CHAT_SCHEDULER's value (``step``: this module, ``static``: chat.batching alone, ``process``:
+    on a GPU this module's step loop in a process of its own, ``chat.stepproc``)."""
     value = (os.environ.get(SCHEDULER_ENV, "step") if value is None else value).strip().lower()
     if value not in SCHEDULERS:
         raise ValueError(f"{SCHEDULER_ENV} must be one of {', '.join(SCHEDULERS)}, got {value!r}")
@@ -418,4 +419,9 @@ def _fail(request: Request, err: BaseException) -> None:
 
 def make_batcher() -> Batcher | StepBatcher:
     """The engine's scheduler, as ``CHAT_SCHEDULER`` says (default ``step``)."""
-    return StepBatcher() if scheduler() == "step" else Batcher()
+    chosen = scheduler()
+    if chosen == "process":
+        from chat.stepproc import ProcessBatcher  # it builds on this module
+
+        return ProcessBatcher()
+    return StepBatcher() if chosen == "step" else Batcher()

@@ -68,3 +68,13 @@ def test_load_smoke_beam_search_beside_greedy_chats_in_and_out_of_the_steps(tmp_
     assert [r["scheduler"] for r in data["results"]] == ["step", "step-beams"]
     assert data["results"][0]["texts"] == data["results"][1]["texts"] and all(data["results"][0]["texts"])
     assert "1 in 2 chats faithful" in data["header"] and all(r["other_p50"] > 0 for r in data["results"])
+
+
+def test_load_smoke_the_step_loop_in_a_process_of_its_own(tmp_path):
+    out = tmp_path / "load.json"
+    argv = ["--model", str(DEMO_DIR), "--optimize", "none", "--schedulers", "step,step-process"]
+    argv += ["--concurrency", "3", "--replies", "4", "--reply_tokens", "6"]
+    assert chat_load.main([*argv, "--out", str(out)]) == 0
+    step, apart = json.loads(out.read_text())["results"]
+    assert apart["scheduler"] == "step-process" and apart["engine_process_replies"] == 4
+    assert step["engine_process_replies"] is None and apart["texts"] == step["texts"] and all(step["texts"])
