@@ -6,13 +6,14 @@
 #          default), then the base alone
 #   beams  one chat in four beam search (faithful): static batcher vs a slot per beam
 #   serve  the app through its server (gradio's /chat, the OpenAI-compatible API) vs the engine alone
-# Usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve]   (default: all four)
+#   process the step loop in an engine process of its own (chat.stepproc) vs in the server's, fp32 then TF32
+# Usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve process]   (default: all five)
 # MODEL (default random-400M: the 400M architecture, random weights, offline) and REPLIES (256)
 # override the benchmarks' model and replies per round.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve]}
+out=${1:?usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve process]}
 shift
-parts=${*:-tests lanes beams serve}
+parts=${*:-tests lanes beams serve process}
 model=${MODEL:-random-400M}
 replies=${REPLIES:-256}
 python=${PYTHON:-python3}
@@ -52,7 +53,11 @@ for part in $parts; do
     beams) "$python" -m bench.chat_load --model "$model" --schedulers static,step,step-beams --concurrency 8,64 \
       --replies "$replies" --max_batch 64 --faithful_every 4 --out "$out/beams.json" ;;
     serve) serve_checks ;;
-    *) echo "unknown part $part (tests, lanes, beams, serve)" >&2; exit 2 ;;
+    process) "$python" -m bench.chat_load --model "$model" --schedulers step,step-process --concurrency 1,64 \
+      --replies "$replies" --max_batch 64 --out "$out/process-fp32.json" &&
+      "$python" -m bench.chat_load --model "$model" --schedulers step,step-process --concurrency 64,256 \
+      --replies $((replies * 2)) --max_batch 256 --tf32 --out "$out/process-tf32.json" ;;
+    *) echo "unknown part $part (tests, lanes, beams, serve, process)" >&2; exit 2 ;;
   esac || status=1
 done
 exit $status
