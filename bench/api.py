@@ -75,10 +75,30 @@ def timed(stream, app=None) -> tuple[float, float | None, str, float | None]:
     return whole, first, text, (sum(app.cpu_times()[:2]) - cpu if app else None)
 
 
-def chat_stream(client, conv, message: str, preset: str, settings: dict):
+# gradio_client's own iterator (``for update in job``) waits without end for a job whose end it missed:
+# seen with 64 clients at once (gradio_client 2.7.2, gradio 6.31), the server idle, one job never
+# FINISHED (as in gradio's issue #9968). A job without news for this long is a failed reply, counted.
+STALL_S = 60.0
+
+
+def chat_stream(client, conv, message: str, preset: str, settings: dict, stall_s: float = STALL_S):
+    """The reply so far, as gradio streams ``/chat``'s updates (each with the id of the model writing
+    it), read from the job's outputs; TimeoutError after ``stall_s`` seconds with no update."""
     job = client.submit(message, conv.kind, conv.context, preset, list(conv.turns), settings, api_name="/chat")
-    for reply, _ in job:  # the reply so far, as gradio streams it (with the id of the model writing it)
-        yield reply
+    seen, last = 0, time.monotonic()
+    while True:
+        done = job.done()  # before reading: the outputs read after it are all of them
+        outputs = job.outputs()
+        for reply, _ in outputs[seen:]:
+            yield reply
+        if len(outputs) > seen:
+            seen, last = len(outputs), time.monotonic()
+        if done:
+            job.result()  # raises the call's error, if it failed
+            return
+        if time.monotonic() - last > stall_s:
+            raise TimeoutError(f"/chat through gradio_client: no update for {stall_s:.0f} s ({job.status().code})")
+        time.sleep(0.002)
 
 
 def chat_http_stream(session, url: str, conv, message: str, preset: str, settings: dict):

@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                 app_cpu = None if pid is None else (cpu_seconds(pid) - app_cpu) / replies
                 own_cpu = (time.process_time() - own_cpu) / replies
                 results.append({"path": name, **round_, "app_cpu_per_reply": app_cpu, "bench_cpu_per_reply": own_cpu})
+                # Each round as it ends (and the JSON so far): a run stopped at a time limit keeps them.
+                print(f"{name}, {clients} clients: {round_['replies_per_s']:.2f} replies/s, p95 {round_['p95']:.3f} s")
+                if args.out:
+                    write_json(args.out, {"command": command_line("bench.chat_serve", argv), "results": results})
     env = versions("gradio", "openai")
     header = (
         f"{engine.current.id}, preset {args.preset}, up to {args.max_tokens} tokens, "
@@ -114,11 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['first_text_p50']:.3f} s",
                 "" if r["app_cpu_per_reply"] is None else f"{r['app_cpu_per_reply'] * 1e3:.1f} ms",
                 f"{r['bench_cpu_per_reply'] * 1e3:.1f} ms",
+                str(len(r["errors"])),
             ]
         )
     print(header)
     columns = ["path", "clients", "replies/s (vs engine)", "p50", "p95", "first text p50", "app CPU/reply"]
-    print("\n".join(md_table([*columns, "bench CPU/reply"], rows)))
+    print("\n".join(md_table([*columns, "bench CPU/reply", "errors"], rows)))
     if args.out:
         write_json(args.out, {"header": header, "command": command_line("bench.chat_serve", argv), "results": results})
     return 0

@@ -34,8 +34,8 @@ serve_checks() {
   done
   echo "app up ($(date -u +%H:%M:%S))"
   timeout -s ABRT "$limit" "$python" -X faulthandler -m bench.chat_serve --url "http://127.0.0.1:$port/" \
-    --model "$model" --concurrency 1,64 --replies "$replies" --out "$out/serve.json"
-  local rc=$?
+    --model "$model" --concurrency 1,64 --replies "$replies" --out "$out/serve.json" 2>&1 | tee "$out/serve.log"
+  local rc=${PIPESTATUS[0]}
   kill $app 2> /dev/null
   wait $app 2> /dev/null
   return $rc
