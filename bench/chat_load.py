@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from bench.chat_adapters import make_adapter
 from bench.common import (
     closed_loop,
     command_line,
+    cpu_seconds,
     device_name,
     md_table,
     percentile,
@@ -169,9 +171,19 @@ def main(argv: list[str] | None = None) -> int:
             for name in schedulers:
                 engine._batcher = batchers[name]
                 sent = getattr(engine._batcher, "sent", None)  # replies an engine process served
+                pid = getattr(engine._batcher, "pid", None)
+                cpu = cpu_seconds(), None if pid is None else cpu_seconds(pid)
+                started = time.time()  # wall clock: to match a round with a profiler's samples
                 result = load_round(engine, chats, clients, replies, settings, not args.no_stream, other)
+                wall = result["replies"] / result["replies_per_s"]
+                busy = {  # CPU seconds per wall second of the round: this process's, the engine process's
+                    "cpu_busy": (cpu_seconds() - cpu[0]) / wall,
+                    "engine_cpu_busy": None if pid is None else (cpu_seconds(pid) - cpu[1]) / wall,
+                }
                 apart = None if sent is None else engine._batcher.sent - sent
-                results.append({"scheduler": name, **result, "engine_process_replies": apart})
+                results.append(
+                    {"scheduler": name, **result, **busy, "engine_process_replies": apart, "started": started}
+                )
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()
     header = (
@@ -198,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['first_text_p50']:.3f} s",
                 f"{same}/{len(base['texts'])}",
                 str(len(r["errors"])),
+                f"{r['cpu_busy']:.2f}" + ("" if r["engine_cpu_busy"] is None else f" + {r['engine_cpu_busy']:.2f}"),
                 *([f"{r['other_p50']:.3f} s"] if args.faithful_every else []),
             ]
         )
@@ -210,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "first text p50",
         f"same replies as {schedulers[0]}",
         "errors",
+        "CPU busy (+ engine process)",
         *(["faithful replies' p50 (p50/p95: the others')"] if args.faithful_every else []),
     ]
     print(header)

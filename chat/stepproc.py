@@ -72,6 +72,11 @@ class ProcessBatcher:
     cuda_graphs = property(lambda self: self.local.cuda_graphs, lambda self, v: setattr(self.local, "cuda_graphs", v))
     window_s = property(lambda self: self.local.window_s, lambda self, v: setattr(self.local, "window_s", v))
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id, once started (benchmarks read its CPU time)."""
+        return None if self._proc is None else self._proc.pid
+
     def takes(self, loaded, kwargs: dict, streamer=None) -> bool:
         """Does the engine process serve this request (else this process's ``StepBatcher``)?"""
         model = loaded.model

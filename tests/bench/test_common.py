@@ -2,6 +2,7 @@
 
 import json
 import statistics
+import time
 
 import pytest
 
@@ -46,3 +47,25 @@ def test_versions_and_command_line_record_the_run(tmp_path):
     assert command_line("bench.chat", ["--prompts", "2"]) == "python -m bench.chat --prompts 2"
     path = write_json(tmp_path / "deep" / "r.json", {"env": env})
     assert json.loads(path.read_text()) == {"env": env}
+
+
+def test_cpu_seconds_reads_another_process_as_this_one_counts_itself():
+    import subprocess
+    import sys
+
+    from bench.common import cpu_seconds
+
+    # A child that burns about 0.6 s of CPU, then waits to be read.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time, sys\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+         "print(time.process_time(), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        own = float(child.stdout.readline())
+        seen = cpu_seconds(child.pid)
+        assert own - 0.05 <= seen <= own + 0.2  # /proc counts in clock ticks (1/100 s)
+    finally:
+        child.communicate("")
+    assert cpu_seconds(child.pid) == 0.0  # gone: nothing to read
+    assert cpu_seconds() == pytest.approx(time.process_time(), abs=0.05)
