@@ -421,6 +421,25 @@ def test_blocks_wiring(engine):
     assert tabs == ["Chat", "Compare", "Train"]
 
 
+def test_the_launched_queue_runs_the_chats_replies_and_gradios_other_events_at_once(engine, tmp_path, monkeypatch):
+    """gradio runs at most ``max_threads`` events at once (its queue's job slots, and the thread
+    pool its sync generators step in), 40 unless launched with more: fewer than the 64 replies the
+    app runs at once on a GPU. Launched with the app's options, it has room for CONCURRENCY
+    replies and gradio's 40 for the rest."""
+    import app
+
+    monkeypatch.setenv("PERSONA_CHAT_RUNS", str(tmp_path))
+    demo = app.build_demo(engine)
+    options = app.launch_options(engine, behind_proxy=False)
+    demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **options)
+    try:
+        slots = app.CONCURRENCY + 40
+        assert demo.max_threads == slots and len(demo._queue.active_jobs) == slots
+        assert demo.limiter.total_tokens == slots  # the pool each next() of a streamed reply waits in
+    finally:
+        demo.close()
+
+
 def test_chat_interface_round_trip_keeps_the_dialogue(engine):
     """Through ChatInterface's own streaming wrapper and the Chatbot's postprocess/preprocess (what
     the browser gets and sends back): replies and notices land in the history, and the next
