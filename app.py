@@ -14,6 +14,7 @@ loads nothing: ``app.demo`` is built on first access.
 """
 
 import logging
+import os
 import time
 import warnings
 from dataclasses import replace
@@ -56,6 +57,8 @@ CONCURRENCY = concurrency()
 # login is the browser's token, the chat history the browser's, a run's state its folder's.
 # show_error: a request that gradio itself rejects (e.g. too few inputs) says why, not {"error": null};
 # the app's own handlers turn every failure into a message meant for the user (gr.Error).
+# enable_monitoring off: gradio's /monitoring/summary (on unless turned off) tells anonymous visitors every
+# endpoint's call counts and timings, the private ones' too; the Runs tab is this app's monitoring.
 # max_threads: gradio runs at most this many events at once (its queue's job slots) and steps every sync
 # handler's generator in a pool of this many threads, 40 by default: fewer than the 64 replies a GPU
 # runs at once (measured on an H100: 64 clients on /chat got 26 replies/s, the engine alone 216). The
@@ -65,7 +68,13 @@ LAUNCH_OPTIONS = {
     "state_session_capacity": 1000,
     "show_error": True,
     "max_threads": CONCURRENCY + 40,
+    "enable_monitoring": False,
 }
+# After every event gradio's queue recomputes that dashboard's summary with pandas over its last 10,000
+# events, whether or not monitoring is on: 21 ms of the server's time per event once 10,000 have run
+# (8 ms for the first hundred; 2-core Xeon), which capped every reply through /chat (docs/chat-benchmarks.md).
+# Its one knob is how many events it waits between two summaries; with monitoring off nothing reads them.
+os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
 
 
 PRIVATE = {"api_visibility": "private"}

@@ -421,21 +421,32 @@ def test_blocks_wiring(engine):
     assert tabs == ["Chat", "Compare", "Train"]
 
 
-def test_the_launched_queue_runs_the_chats_replies_and_gradios_other_events_at_once(engine, tmp_path, monkeypatch):
+def test_the_launched_queue_runs_many_replies_at_once_and_keeps_no_dashboard(engine, tmp_path, monkeypatch):
     """gradio runs at most ``max_threads`` events at once (its queue's job slots, and the thread
     pool its sync generators step in), 40 unless launched with more: fewer than the 64 replies the
     app runs at once on a GPU. Launched with the app's options, it has room for CONCURRENCY
-    replies and gradio's 40 for the rest."""
+    replies and gradio's 40 for the rest; its monitoring dashboard is off (its summary is no one
+    else's business), and the queue no longer recomputes that summary after every event."""
+    import httpx
+
     import app
 
     monkeypatch.setenv("PERSONA_CHAT_RUNS", str(tmp_path))
     demo = app.build_demo(engine)
     options = app.launch_options(engine, behind_proxy=False)
-    demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **options)
+    _, url, _ = demo.launch(
+        server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True, **options
+    )
     try:
         slots = app.CONCURRENCY + 40
         assert demo.max_threads == slots and len(demo._queue.active_jobs) == slots
         assert demo.limiter.total_tokens == slots  # the pool each next() of a streamed reply waits in
+        reply, _ = Client(url, verbose=False).predict("hello there", "none", "", "fast", [], {}, api_name="/chat")
+        assert reply.strip()
+        assert demo._queue.events_recorded >= 1  # the call went through the queue...
+        assert demo._queue.cached_event_analytics_summary == {"functions": {}}  # ...and no summary was made
+        for path in ("monitoring", "monitoring/summary"):
+            assert httpx.get(url + path).status_code == 403
     finally:
         demo.close()
 
