@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import uuid
 from dataclasses import replace
 
 from bench.api import api_stream, chat_http_stream, chat_stream, running_app
@@ -47,8 +48,8 @@ def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int) -> dict:
         return lambda conv, message: chat_stream(client, conv, message, preset, asked)
 
     def chat_http_client(k: int):
-        session = httpx.Client(timeout=600)
-        return lambda conv, message: chat_http_stream(session, url, conv, message, preset, asked)
+        session, hash_ = httpx.Client(timeout=600), uuid.uuid4().hex  # one gradio session per client
+        return lambda conv, message: chat_http_stream(session, url, conv, message, preset, asked, hash_)
 
     def api_client(k: int):
         key = os.environ.get("PERSONA_CHAT_API_KEY", "unused")
