@@ -30,8 +30,9 @@ from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.layout import DEMO_DIR
 
 
-def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int) -> dict:
-    """name -> (k -> client k's stream function)."""
+def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int, opened: list) -> dict:
+    """name -> (k -> client k's stream function); the gradio_clients made go to ``opened`` (each keeps
+    threads of its own running until closed: 64 of them left open slowed the next rounds' clients)."""
     import httpx
     import openai
     from gradio_client import Client
@@ -45,6 +46,7 @@ def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int) -> dict:
 
     def chat_client(k: int):
         client = Client(url, verbose=False)
+        opened.append(client)
         return lambda conv, message: chat_stream(client, conv, message, preset, asked)
 
     def chat_http_client(k: int):
@@ -59,10 +61,15 @@ def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int) -> dict:
 
     return {
         "engine alone": engine_client,
-        "/chat (gradio_client)": chat_client,
         "/chat (HTTP, httpx)": chat_http_client,
         "/v1 (openai)": api_client,
+        "/chat (gradio_client)": chat_client,
     }
+
+
+def _close(clients: list) -> None:
+    while clients:
+        clients.pop().close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,14 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CHAT_OPTIMIZE"] = args.optimize  # the app's engine as this one
     results = []
     with running_app(spec) if not args.url else _given(args.url) as (url, _log, pid):
-        ways = paths(url, engine, args.preset, args.max_tokens)
+        opened: list = []
+        ways = paths(url, engine, args.preset, args.max_tokens, opened)
         for make in ways.values():  # warm up every path
             closed_loop(make, chats, 2, 2)
+        _close(opened)
         for clients in [int(c) for c in args.concurrency.split(",")]:
             for name, make in ways.items():
                 replies = max(args.replies, clients)
                 app_cpu, own_cpu = cpu_seconds(pid), time.process_time()
                 round_ = closed_loop(make, chats, clients, replies)
+                _close(opened)
                 app_cpu = None if pid is None else (cpu_seconds(pid) - app_cpu) / replies
                 own_cpu = (time.process_time() - own_cpu) / replies
                 results.append({"path": name, **round_, "app_cpu_per_reply": app_cpu, "bench_cpu_per_reply": own_cpu})
