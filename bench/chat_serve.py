@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 import uuid
 from dataclasses import replace
 
 from bench.api import api_stream, chat_http_stream, chat_stream, running_app
 from bench.chat import prompt_set
-from bench.common import closed_loop, command_line, cpu_name, md_table, quiet_transformers, versions, write_json
+from bench.common import (
+    closed_loop,
+    command_line,
+    cpu_name,
+    cpu_seconds,
+    md_table,
+    quiet_transformers,
+    versions,
+    write_json,
+)
 from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.layout import DEMO_DIR
 
@@ -101,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         for clients in [int(c) for c in args.concurrency.split(",")]:
             for name, make in ways.items():
                 replies = max(args.replies, clients)
-                app_cpu, own_cpu = cpu_seconds(pid), time.process_time()
+                app_cpu, own_cpu = None if pid is None else cpu_seconds(pid), cpu_seconds()  # (None: an app not ours)
                 round_ = closed_loop(make, chats, clients, replies)
                 _close(opened)
                 app_cpu = None if pid is None else (cpu_seconds(pid) - app_cpu) / replies
-                own_cpu = (time.process_time() - own_cpu) / replies
+                own_cpu = (cpu_seconds() - own_cpu) / replies
                 results.append({"path": name, **round_, "app_cpu_per_reply": app_cpu, "bench_cpu_per_reply": own_cpu})
                 # Each round as it ends (and the JSON so far): a run stopped at a time limit keeps them.
                 print(f"{name}, {clients} clients: {round_['replies_per_s']:.2f} replies/s, p95 {round_['p95']:.3f} s")
@@ -138,16 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_json(args.out, {"header": header, "command": command_line("bench.chat_serve", argv), "results": results})
     return 0
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """CPU seconds (user + system) process ``pid`` has used so far (0 for None: an app not ours)."""
-    import psutil
-
-    if pid is None:
-        return 0.0
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
 
 
 class _given:

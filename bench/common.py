@@ -120,18 +120,18 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
 
 
 def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time (user + system) a process has used so far: this one, or ``pid``'s (Linux's /proc;
-    0.0 where it cannot be read). Over a round, CPU seconds per wall second near 1.0 in a process
-    of many Python threads means the GIL, not the device, sets its pace."""
+    """CPU time (user + system) a process has used so far: this one, or ``pid``'s (0.0 once it has
+    ended). Over a round, CPU seconds per wall second near 1.0 in a process of many Python threads
+    means the GIL, not the device, sets its pace."""
     if pid is None:
         return time.process_time()
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    import os
+    import psutil
 
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
 
 
 def sample_rows(split: str = "validation") -> list[dict]:
