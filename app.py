@@ -70,11 +70,6 @@ LAUNCH_OPTIONS = {
     "max_threads": CONCURRENCY + 40,
     "enable_monitoring": False,
 }
-# After every event gradio's queue recomputes that dashboard's summary with pandas over its last 10,000
-# events, whether or not monitoring is on: 21 ms of the server's time per event once 10,000 have run
-# (8 ms for the first hundred; 2-core Xeon), which capped every reply through /chat (docs/chat-benchmarks.md).
-# Its one knob is how many events it waits between two summaries; with monitoring off nothing reads them.
-os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
 
 
 PRIVATE = {"api_visibility": "private"}
@@ -193,6 +188,12 @@ def build_demo(
             )
 
         demo.load(on_page_load, session, [status, tab.auth, tab.review, *live], queue=False, **PRIVATE)
+    # After every event gradio's queue recomputes its monitoring dashboard's summary with pandas over its
+    # last 10,000 events, monitoring on or off: 21 ms of the server's time per event once 10,000 have run
+    # (8 ms for the first hundred; 2-core Xeon), paid by every reply through /chat (docs/chat-benchmarks.md).
+    # Its one knob, read when the queue is made: events between two summaries. Monitoring is off
+    # (LAUNCH_OPTIONS), so nothing reads them; an operator's own value wins.
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=CONCURRENCY)
     demo.chat_interface = chat.chat  # for tests and for code that wires more events to the chat
     demo.compare = compare  # the Compare tab's model slot and components (tests)
