@@ -26,7 +26,6 @@ import time
 import urllib.request
 from contextlib import contextmanager
 
-from bench.chat import prompt_set
 from bench.common import command_line, cpu_name, md_table, percentile, versions, write_json
 from chat.layout import ROOT
 
@@ -240,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_tokens", type=int, default=40)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    from bench.chat import prompt_set  # (torch: not for bench.serve_clients' processes, which import this module)
+
     prompts = prompt_set(args.prompts)
     if args.url:
         result, log = measure(args.url, args.preset, prompts, args.repeats, args.warmup, args.max_tokens), []

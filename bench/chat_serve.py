@@ -8,7 +8,12 @@ HTTP API, which tells the server's cost from gradio_client's) and on the OpenAI-
 ``/v1/chat/completions`` (the official openai client, ``stream=True``), against the same chats on
 the engine alone in this process (same model, same default scheduler) in the same run. For each:
 replies/s, reply latency p50/p95, time to the first text p50, and the CPU time per reply of the
-app's process (its server and engine) and of this one (the clients; for the engine alone, its engine).
+app's process (its server and engine) and of the clients (for the engine alone, its engine).
+
+The clients through the server run in processes of their own, ``--clients_per_process`` to each
+(the engine alone's in this process, beside the engine): 64 streaming clients in one Python process
+spent 150-220 ms of CPU a reply on an H100's host, against 3-5 ms for one, and so measured their own
+GIL rather than the server.
 
 The API gives one client address a bounded share of its capacity (``api.access``), so the app is
 started as if behind a proxy (``PERSONA_CHAT_BEHIND_PROXY=1``) and each API client names its own
@@ -19,10 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import uuid
 from dataclasses import replace
 
-from bench.api import api_stream, chat_http_stream, chat_stream, running_app
+from bench.api import running_app
 from bench.chat import prompt_set
 from bench.common import (
     closed_loop,
@@ -34,50 +38,21 @@ from bench.common import (
     versions,
     write_json,
 )
+from bench.serve_clients import paths, server_round
 from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.layout import DEMO_DIR
 
 
-def paths(url: str, engine: ChatEngine, preset: str, max_tokens: int, opened: list) -> dict:
-    """name -> (k -> client k's stream function); the gradio_clients made go to ``opened`` (each keeps
-    threads of its own running until closed: 64 of them left open slowed the next rounds' clients)."""
-    import httpx
-    import openai
-    from gradio_client import Client
-
+def engine_round(engine: ChatEngine, preset: str, max_tokens: int, chats, clients: int, replies: int) -> dict:
+    """The same chats on the engine alone, its clients threads of this process."""
     settings = replace(GENERATION_PRESETS[preset], max_new_tokens=max_tokens)
-    asked = {"max_new_tokens": max_tokens}  # /chat's and the API's settings
-    model = openai.OpenAI(base_url=url + "v1", api_key="unused").models.list().data[0].id
 
     def engine_client(k: int):
         return lambda conv, message: (text for text, _ in engine.stream(conv, message, settings))
 
-    def chat_client(k: int):
-        client = Client(url, verbose=False)
-        opened.append(client)
-        return lambda conv, message: chat_stream(client, conv, message, preset, asked)
-
-    def chat_http_client(k: int):
-        session, hash_ = httpx.Client(timeout=600), uuid.uuid4().hex  # one gradio session per client
-        return lambda conv, message: chat_http_stream(session, url, conv, message, preset, asked, hash_)
-
-    def api_client(k: int):
-        key = os.environ.get("PERSONA_CHAT_API_KEY", "unused")
-        headers = {"X-Forwarded-For": f"10.0.{k // 250}.{k % 250 + 1}"}  # client k, as a proxy names it
-        client = openai.OpenAI(base_url=url + "v1", api_key=key, default_headers=headers)
-        return lambda conv, message: api_stream(client, model, conv, message, preset, asked)
-
-    return {
-        "engine alone": engine_client,
-        "/chat (HTTP, httpx)": chat_http_client,
-        "/v1 (openai)": api_client,
-        "/chat (gradio_client)": chat_client,
-    }
-
-
-def _close(clients: list) -> None:
-    while clients:
-        clients.pop().close()
+    cpu = cpu_seconds()
+    round_ = closed_loop(engine_client, chats, clients, replies)
+    return {**round_, "client_processes": 0, "bench_cpu_per_reply": (cpu_seconds() - cpu) / replies}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replies", type=int, default=16, help="replies per round (at least the clients)")
     parser.add_argument("--max_tokens", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--clients_per_process", type=int, default=8, help="clients through the server to a process")
+    parser.add_argument("--app_pid", type=int, help="with --url: the app's process, to read its CPU time")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.clients_per_process < 1:
+        parser.error("--clients_per_process must be 1 or more")
     quiet_transformers()
     spec = args.model or str(DEMO_DIR)
     engine = ChatEngine(load_apart(spec, optimize=args.optimize), "bench")
@@ -101,20 +80,22 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CHAT_OPTIMIZE"] = args.optimize  # the app's engine as this one
     results = []
     with running_app(spec) if not args.url else _given(args.url) as (url, _log, pid):
-        opened: list = []
-        ways = paths(url, engine, args.preset, args.max_tokens, opened)
-        for make in ways.values():  # warm up every path
-            closed_loop(make, chats, 2, 2)
-        _close(opened)
+        pid = pid or args.app_pid  # (None: an app not ours, its CPU not read)
+        names = list(paths(url, args.preset, args.max_tokens, []))  # (and the API answers)
+        engine_round(engine, args.preset, args.max_tokens, chats, 2, 2)  # warm up every path
+        for name in names:
+            server_round(url, name, args.preset, args.max_tokens, chats, 2, 2, args.clients_per_process)
         for clients in [int(c) for c in args.concurrency.split(",")]:
-            for name, make in ways.items():
+            for name in ["engine alone", *names]:
                 replies = max(args.replies, clients)
-                app_cpu, own_cpu = None if pid is None else cpu_seconds(pid), cpu_seconds()  # (None: an app not ours)
-                round_ = closed_loop(make, chats, clients, replies)
-                _close(opened)
-                app_cpu = None if pid is None else (cpu_seconds(pid) - app_cpu) / replies
-                own_cpu = (cpu_seconds() - own_cpu) / replies
-                results.append({"path": name, **round_, "app_cpu_per_reply": app_cpu, "bench_cpu_per_reply": own_cpu})
+                app_cpu = None if pid is None else cpu_seconds(pid, descendants=True)
+                if name == "engine alone":
+                    round_ = engine_round(engine, args.preset, args.max_tokens, chats, clients, replies)
+                else:
+                    per = args.clients_per_process
+                    round_ = server_round(url, name, args.preset, args.max_tokens, chats, clients, replies, per)
+                app_cpu = None if pid is None else (cpu_seconds(pid, descendants=True) - app_cpu) / replies
+                results.append({"path": name, **round_, "app_cpu_per_reply": app_cpu})
                 # Each round as it ends (and the JSON so far): a run stopped at a time limit keeps them.
                 print(f"{name}, {clients} clients: {round_['replies_per_s']:.2f} replies/s, p95 {round_['p95']:.3f} s")
                 if args.out:
@@ -136,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['p95']:.3f} s",
                 f"{r['first_text_p50']:.3f} s",
                 "" if r["app_cpu_per_reply"] is None else f"{r['app_cpu_per_reply'] * 1e3:.1f} ms",
-                f"{r['bench_cpu_per_reply'] * 1e3:.1f} ms",
+                f"{r['bench_cpu_per_reply'] * 1e3:.1f} ms ({r['client_processes']})",
                 str(len(r["errors"])),
             ]
         )
     print(header)
     columns = ["path", "clients", "replies/s (vs engine)", "p50", "p95", "first text p50", "app CPU/reply"]
-    print("\n".join(md_table([*columns, "bench CPU/reply", "errors"], rows)))
+    print("\n".join(md_table([*columns, "bench CPU/reply (processes)", "errors"], rows)))
     if args.out:
         write_json(args.out, {"header": header, "command": command_line("bench.chat_serve", argv), "results": results})
     return 0

@@ -67,10 +67,11 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
     """``clients`` threads in a closed loop, each with its own client (``make_stream(k)`` gives client
     k's ``stream(conv, message)``, an iterator of the reply so far), sending ``chats`` in turn until
     ``replies`` replies are done: replies/s, latency p50/p95, time to the first text p50, each reply's
-    final text and latency (None where it failed) and the errors (a failed reply is counted, not a
-    dead client)."""
+    final text, latency and time to its first text (None where it failed) and the errors (a failed
+    reply is counted, not a dead client)."""
     lock, latencies, firsts, texts, errors = threading.Lock(), [], [], {}, []
     each: dict[int, float] = {}
+    each_first: dict[int, float] = {}
     taken = iter(range(replies))
 
     def client(k: int) -> None:
@@ -95,6 +96,7 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
                 latencies.append(time.perf_counter() - t0)
                 each[i] = latencies[-1]
                 firsts.append(first if first is not None else latencies[-1])
+                each_first[i] = firsts[-1]
                 texts[i] = text
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
@@ -115,23 +117,33 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
         "first_text_p50": percentile(firsts, 50),
         "texts": [texts.get(i) for i in range(replies)],
         "latencies": [each.get(i) for i in range(replies)],
+        "first_texts": [each_first.get(i) for i in range(replies)],
         "errors": errors,
     }
 
 
-def cpu_seconds(pid: int | None = None) -> float:
+def cpu_seconds(pid: int | None = None, descendants: bool = False) -> float:
     """CPU time (user + system) a process has used so far: this one, or ``pid``'s (0.0 once it has
-    ended). Over a round, CPU seconds per wall second near 1.0 in a process of many Python threads
-    means the GIL, not the device, sets its pace."""
-    if pid is None:
+    ended), with ``descendants`` its live children's and theirs too (an app and its engine process;
+    a child that ends between two readings takes its time with it). Over a round, CPU seconds per
+    wall second near 1.0 in a process of many Python threads means the GIL, not the device, sets its pace."""
+    if pid is None and not descendants:
         return time.process_time()
     import psutil
 
+    def used(process) -> float:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            return 0.0
+        return times.user + times.system
+
     try:
-        times = psutil.Process(pid).cpu_times()
+        process = psutil.Process(pid)
+        tree = [process, *(process.children(recursive=True) if descendants else [])]
     except psutil.NoSuchProcess:
         return 0.0
-    return times.user + times.system
+    return sum(used(p) for p in tree)
 
 
 def sample_rows(split: str = "validation") -> list[dict]:

@@ -10,7 +10,8 @@
 #   process the step loop in an engine process of its own (chat.stepproc) vs in the server's, fp32 then TF32
 # Usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve process]   (default: all five)
 # MODEL (default random-400M: the 400M architecture, random weights, offline) and REPLIES (256)
-# override the benchmarks' model and replies per round.
+# override the benchmarks' model and replies per round, CONCURRENCY (1,64) serve's clients. serve reads
+# the app's CPU through the time limit's process (--app_pid: it and its descendants, the engine process too).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_serve_checks.sh OUT_DIR [tests lanes beams serve process]}
 shift
@@ -35,7 +36,8 @@ serve_checks() {
   done
   echo "app up ($(date -u +%H:%M:%S))"
   timeout -s ABRT "$limit" "$python" -X faulthandler -m bench.chat_serve --url "http://127.0.0.1:$port/" \
-    --model "$model" --concurrency 1,64 --replies "$replies" --out "$out/serve-$tag.json" 2>&1 | tee "$out/serve-$tag.log"
+    --model "$model" --concurrency "${CONCURRENCY:-1,64}" --replies "$replies" --app_pid $app \
+    --out "$out/serve-$tag.json" 2>&1 | tee "$out/serve-$tag.log"
   local rc=${PIPESTATUS[0]}
   kill $app 2> /dev/null
   wait $app 2> /dev/null

@@ -25,19 +25,50 @@ def test_load_smoke_both_schedulers_with_adapters(tmp_path, capsys):
 
 def test_serve_smoke_engine_and_app(tmp_path, capsys):
     out = tmp_path / "serve.json"
-    argv = ["--concurrency", "2", "--replies", "2", "--max_tokens", "6", "--prompts", "2", "--out", str(out)]
-    assert chat_serve.main(argv) == 0
+    argv = ["--concurrency", "2", "--replies", "4", "--max_tokens", "6", "--prompts", "3", "--out", str(out)]
+    assert chat_serve.main([*argv, "--clients_per_process", "1"]) == 0
     results = json.loads(out.read_text())["results"]
-    # gradio_client last: its clients' threads, even closed, are the heaviest in this process.
+    # gradio_client last: its clients' threads, even closed, are the heaviest in a process.
     paths = ["engine alone", "/chat (HTTP, httpx)", "/v1 (openai)", "/chat (gradio_client)"]
     assert [r["path"] for r in results] == paths
-    assert all(r["texts"] == results[0]["texts"] and all(r["texts"]) for r in results)  # the same replies
+    # The same replies in the same order, though through the server each client ran in a process of its
+    # own (replies 0-1 in one, 2-3 in the other: prompts 0, 1, 2, 0 as in one process).
+    assert all(r["texts"] == results[0]["texts"] and all(r["texts"]) for r in results)
+    assert len(set(results[0]["texts"][:3])) == 3  # three prompts, three replies: an order that can be wrong
+    assert [r["client_processes"] for r in results] == [0, 2, 2, 2]
     assert all(r["replies_per_s"] > 0 and r["clients"] == 2 and r["p50"] > 0 for r in results)
-    # The app's process works for the replies through it, not for the engine alone's.
+    assert all(len(r["first_texts"]) == 4 and 0 < min(r["first_texts"]) for r in results)
+    # The app's process works for the replies through it, not for the engine alone's; the client
+    # processes' CPU is counted for the replies through the server.
     cpu = {r["path"]: (r["app_cpu_per_reply"], r["bench_cpu_per_reply"]) for r in results}
     assert cpu["/v1 (openai)"][0] > 0 and cpu["/chat (gradio_client)"][0] > 0 and cpu["engine alone"][1] > 0
-    assert cpu["engine alone"][0] < cpu["/v1 (openai)"][0]
+    assert cpu["engine alone"][0] < cpu["/v1 (openai)"][0] and cpu["/v1 (openai)"][1] > 0
     assert "engine alone" in capsys.readouterr().out
+
+
+def test_a_round_merged_from_its_client_processes():
+    from bench.serve_clients import merged
+
+    parts = [
+        {"texts": ["a", None], "latencies": [1.0, None], "first_texts": [0.5, None], "errors": ["x"],
+         "started": 10.0, "ended": 12.0, "cpu": 0.3},
+        {"texts": ["b", "c"], "latencies": [2.0, 3.0], "first_texts": [0.25, 1.0], "errors": [],
+         "started": 10.5, "ended": 14.0, "cpu": 0.5},
+    ]  # fmt: skip
+    r = merged(parts, clients=4)
+    assert r["replies"] == 4 and r["replies_per_s"] == 1.0  # 4 replies from t=10 to t=14
+    assert r["texts"] == ["a", None, "b", "c"] and r["errors"] == ["x"]
+    assert r["p50"] == 2.0 and r["p95"] == 2.9 and r["first_text_p50"] == 0.5  # the failed reply left out
+    assert r["client_processes"] == 2 and r["bench_cpu_per_reply"] == 0.2
+
+
+def test_a_failing_client_process_fails_the_round_with_its_error():
+    from bench.serve_clients import server_round
+    from chat.engine import Conversation
+
+    chats = [(Conversation(), "hi")]
+    with pytest.raises(RuntimeError, match=r"2 of 2 client processes failed(.|\n)*ConnectError"):
+        server_round("http://127.0.0.1:9/", "/v1 (openai)", "fast", 4, chats, 2, 2, 1)  # nothing listens there
 
 
 def test_load_smoke_serial_steps_and_a_stream_interval(tmp_path, capsys):

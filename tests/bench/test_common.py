@@ -69,3 +69,24 @@ def test_cpu_seconds_reads_another_process_as_this_one_counts_itself():
         child.communicate("")
     assert cpu_seconds(child.pid) == 0.0  # gone: nothing to read
     assert cpu_seconds() == pytest.approx(time.process_time(), abs=0.05)
+
+
+def test_cpu_seconds_of_a_process_and_its_children(tmp_path):
+    import subprocess
+    import sys
+
+    from bench.common import cpu_seconds
+
+    # A parent that waits while its child burns about 0.6 s of CPU and then waits to be read.
+    child = tmp_path / "burn.py"
+    child.write_text("import time, sys\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+                     "print(1, flush=True)\nsys.stdin.read()\n")  # fmt: skip
+    code = f"import subprocess, sys\nsubprocess.run([sys.executable, {str(child)!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        parent.stdout.readline()
+        alone, tree = cpu_seconds(parent.pid), cpu_seconds(parent.pid, descendants=True)
+        assert alone < 0.3 and tree - alone >= 0.55
+    finally:
+        parent.communicate("")
+    assert cpu_seconds(parent.pid, descendants=True) == 0.0
