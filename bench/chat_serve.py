@@ -27,24 +27,19 @@ import os
 from dataclasses import replace
 
 from bench.api import running_app
-from bench.chat import prompt_set
-from bench.common import (
-    closed_loop,
-    command_line,
-    cpu_name,
-    cpu_seconds,
-    md_table,
-    quiet_transformers,
-    versions,
-    write_json,
-)
+from bench.common import closed_loop, command_line, cpu_name, cpu_seconds, md_table, versions, write_json
 from bench.serve_clients import paths, server_round
-from chat.engine import GENERATION_PRESETS, ChatEngine, load_apart
 from chat.layout import DEMO_DIR
 
+# torch and the chat engine are imported inside the functions: the client processes (spawned) import
+# this module again as their __main__, and eight of them importing torch at once on the H100's host
+# took minutes.
 
-def engine_round(engine: ChatEngine, preset: str, max_tokens: int, chats, clients: int, replies: int) -> dict:
-    """The same chats on the engine alone, its clients threads of this process."""
+
+def engine_round(engine, preset: str, max_tokens: int, chats, clients: int, replies: int) -> dict:
+    """The same chats on the engine alone (a ``ChatEngine``), its clients threads of this process."""
+    from chat.engine import GENERATION_PRESETS
+
     settings = replace(GENERATION_PRESETS[preset], max_new_tokens=max_tokens)
 
     def engine_client(k: int):
@@ -71,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.clients_per_process < 1:
         parser.error("--clients_per_process must be 1 or more")
+    from bench.chat import prompt_set
+    from bench.common import quiet_transformers
+    from chat.engine import ChatEngine, load_apart
+
     quiet_transformers()
     spec = args.model or str(DEMO_DIR)
     engine = ChatEngine(load_apart(spec, optimize=args.optimize), "bench")
