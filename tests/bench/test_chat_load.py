@@ -110,3 +110,15 @@ def test_load_smoke_the_step_loop_in_a_process_of_its_own(tmp_path):
     step, apart = json.loads(out.read_text())["results"]
     assert apart["scheduler"] == "step-process" and apart["engine_process_replies"] == 4
     assert step["engine_process_replies"] is None and apart["texts"] == step["texts"] and all(step["texts"])
+
+
+def test_the_serve_benchmarks_client_processes_import_no_torch():
+    # Each spawned client process imports bench.chat_serve again (as its __main__) and bench.serve_clients:
+    # eight of them importing torch at once took minutes on the H100's host.
+    import subprocess
+    import sys
+
+    heavy = "{'torch', 'transformers'}"
+    code = f"import sys, bench.chat_serve, bench.serve_clients; print(sorted({heavy} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
