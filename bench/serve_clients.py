@@ -44,7 +44,7 @@ def paths(url: str, preset: str, max_tokens: int, opened: list) -> dict:
 
     def api_client(k: int):
         key = os.environ.get("PERSONA_CHAT_API_KEY", "unused")
-        headers = {"X-Forwarded-For": f"10.0.{k // 250}.{k % 250 + 1}"}  # client k, as a proxy names it
+        headers = {"X-Forwarded-For": address(k)}
         client = openai.OpenAI(base_url=url + "v1", api_key=key, default_headers=headers)
         return lambda conv, message: api_stream(client, model, conv, message, preset, asked)
 
@@ -56,16 +56,15 @@ def server_round(url, name, preset, max_tokens, chats, clients: int, replies: in
     starting together: the replies split between the processes as the clients are, each process's
     prompts where its share of the replies begins, so reply i is the same chat as in one process."""
     ctx = multiprocessing.get_context("spawn")
-    n = math.ceil(clients / per_process)
-    shares = [(clients * (j + 1) // n - clients * j // n, replies * (j + 1) // n - replies * j // n) for j in range(n)]
+    shares = plan(clients, replies, per_process)
+    n = len(shares)
     plain = [(dataclasses.asdict(conv), message) for conv, message in chats]  # (no chat.engine to unpickle)
-    barrier, procs, starts = ctx.Barrier(n), [], 0
-    for c, r in shares:
+    barrier, procs = ctx.Barrier(n), []
+    for first, c, start, r in shares:
         head, conn = ctx.Pipe(duplex=False)
-        turned = plain[starts % len(plain) :] + plain[: starts % len(plain)]
-        args = (conn, barrier, url, name, preset, max_tokens, turned, c, r)
+        turned = plain[start % len(plain) :] + plain[: start % len(plain)]
+        args = (conn, barrier, url, name, preset, max_tokens, turned, first, c, r)
         procs.append((ctx.Process(target=_clients, args=args, daemon=True), head))
-        starts += r
     for proc, _ in procs:
         proc.start()
     parts = []
@@ -80,15 +79,30 @@ def server_round(url, name, preset, max_tokens, chats, clients: int, replies: in
     return merged(parts, clients)
 
 
-def _clients(conn, barrier, url, name, preset, max_tokens, chats, clients, replies) -> None:
-    """One client process: its clients made, then (once every process is ready) its closed loop."""
+def plan(clients: int, replies: int, per_process: int) -> list[tuple[int, int, int, int]]:
+    """The round's processes, at most ``per_process`` clients each, as even as can be: per process
+    (its first client's index, its clients, its first reply's index, its replies)."""
+    n = math.ceil(clients / per_process)
+    cuts = [(clients * j // n, replies * j // n) for j in range(n + 1)]
+    return [(c0, c1 - c0, r0, r1 - r0) for (c0, r0), (c1, r1) in zip(cuts, cuts[1:])]
+
+
+def address(k: int) -> str:
+    """The address API client k of a round names (``X-Forwarded-For``, as a proxy would for visitor k):
+    one of its own, as the API bounds the replies of one address at once."""
+    return f"10.0.{k // 250}.{k % 250 + 1}"
+
+
+def _clients(conn, barrier, url, name, preset, max_tokens, chats, first, clients, replies) -> None:
+    """One client process: its clients (``first`` the index of its first of the round's, so each client
+    of the API names an address of its own) made, then (once every process is ready) its closed loop."""
     try:
         chats = [(SimpleNamespace(**conv), message) for conv, message in chats]
         opened: list = []
         make = paths(url, preset, max_tokens, opened)[name]
         barrier.wait(timeout=600)
         t0, cpu = time.monotonic(), cpu_seconds()
-        round_ = closed_loop(make, chats, clients, replies)
+        round_ = closed_loop(lambda k: make(first + k), chats, clients, replies)
         close(opened)
         conn.send({**round_, "started": t0, "ended": time.monotonic(), "cpu": cpu_seconds() - cpu})
     except BaseException:  # noqa: BLE001 - the parent reports it

@@ -25,18 +25,18 @@ def test_load_smoke_both_schedulers_with_adapters(tmp_path, capsys):
 
 def test_serve_smoke_engine_and_app(tmp_path, capsys):
     out = tmp_path / "serve.json"
-    argv = ["--concurrency", "2", "--replies", "4", "--max_tokens", "6", "--prompts", "3", "--out", str(out)]
+    argv = ["--concurrency", "3", "--replies", "4", "--max_tokens", "6", "--prompts", "3", "--out", str(out)]
     assert chat_serve.main([*argv, "--clients_per_process", "1"]) == 0
     results = json.loads(out.read_text())["results"]
     # gradio_client last: its clients' threads, even closed, are the heaviest in a process.
     paths = ["engine alone", "/chat (HTTP, httpx)", "/v1 (openai)", "/chat (gradio_client)"]
     assert [r["path"] for r in results] == paths
     # The same replies in the same order, though through the server each client ran in a process of its
-    # own (replies 0-1 in one, 2-3 in the other: prompts 0, 1, 2, 0 as in one process).
-    assert all(r["texts"] == results[0]["texts"] and all(r["texts"]) for r in results)
+    # own (replies 0, 1 and 2-3 in three: prompts 0, 1, 2, 0 as in one process), and none failed.
+    assert all(r["texts"] == results[0]["texts"] and all(r["texts"]) and not r["errors"] for r in results)
     assert len(set(results[0]["texts"][:3])) == 3  # three prompts, three replies: an order that can be wrong
-    assert [r["client_processes"] for r in results] == [0, 2, 2, 2]
-    assert all(r["replies_per_s"] > 0 and r["clients"] == 2 and r["p50"] > 0 for r in results)
+    assert [r["client_processes"] for r in results] == [0, 3, 3, 3]
+    assert all(r["replies_per_s"] > 0 and r["clients"] == 3 and r["p50"] > 0 for r in results)
     assert all(len(r["first_texts"]) == 4 and 0 < min(r["first_texts"]) for r in results)
     # The app's process works for the replies through it, not for the engine alone's; the client
     # processes' CPU is counted for the replies through the server.
@@ -60,6 +60,19 @@ def test_a_round_merged_from_its_client_processes():
     assert r["texts"] == ["a", None, "b", "c"] and r["errors"] == ["x"]
     assert r["p50"] == 2.0 and r["p95"] == 2.9 and r["first_text_p50"] == 0.5  # the failed reply left out
     assert r["client_processes"] == 2 and r["bench_cpu_per_reply"] == 0.2
+
+
+def test_a_rounds_clients_and_replies_split_over_its_processes_each_client_its_own_address():
+    from bench.serve_clients import address, plan
+
+    assert plan(3, 4, 1) == [(0, 1, 0, 1), (1, 1, 1, 1), (2, 1, 2, 2)]
+    assert plan(2, 16, 8) == [(0, 2, 0, 16)]
+    shares = plan(64, 500, 8)
+    assert [c for _, c, _, _ in shares] == [8] * 8 and sum(r for *_, r in shares) == 500
+    # Every client and every reply in exactly one process, in order.
+    assert [first for first, *_ in shares] == list(range(0, 64, 8))
+    assert all(a[2] + a[3] == b[2] for a, b in zip(shares, shares[1:]))
+    assert len({address(k) for k in range(1000)}) == 1000
 
 
 def test_a_failing_client_process_fails_the_round_with_its_error():
