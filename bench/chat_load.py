@@ -159,31 +159,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.faithful_every and not 2 <= args.faithful_every <= args.prompts:
         parser.error("--faithful_every must be from 2 to --prompts (the other chats ask for --preset)")
     chats = prompt_set(args.prompts)
-    with tempfile.TemporaryDirectory() as root:
-        if args.adapters:
-            chats = adapter_chats(engine, spec, chats, args.adapters, args.adapter_r, Path(root))
-        for name in schedulers:  # warm up each path at the widest concurrency (graphs recorded)
-            engine._batcher = batchers[name]
-            load_round(engine, chats, max(counts), max(counts), settings, not args.no_stream, other)
-        results = []
-        for clients in counts:
-            replies = max(args.replies, clients)
-            for name in schedulers:
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            if args.adapters:
+                chats = adapter_chats(engine, spec, chats, args.adapters, args.adapter_r, Path(root))
+            for name in schedulers:  # warm up each path at the widest concurrency (graphs recorded)
                 engine._batcher = batchers[name]
-                sent = getattr(engine._batcher, "sent", None)  # replies an engine process served
-                pid = getattr(engine._batcher, "pid", None)
-                cpu = cpu_seconds(), None if pid is None else cpu_seconds(pid)
-                started = time.time()  # wall clock: to match a round with a profiler's samples
-                result = load_round(engine, chats, clients, replies, settings, not args.no_stream, other)
-                wall = result["replies"] / result["replies_per_s"]
-                busy = {  # CPU seconds per wall second of the round: this process's, the engine process's
-                    "cpu_busy": (cpu_seconds() - cpu[0]) / wall,
-                    "engine_cpu_busy": None if pid is None else (cpu_seconds(pid) - cpu[1]) / wall,
-                }
-                apart = None if sent is None else engine._batcher.sent - sent
-                results.append(
-                    {"scheduler": name, **result, **busy, "engine_process_replies": apart, "started": started}
-                )
+                load_round(engine, chats, max(counts), max(counts), settings, not args.no_stream, other)
+            results = []
+            for clients in counts:
+                replies = max(args.replies, clients)
+                for name in schedulers:
+                    engine._batcher = batchers[name]
+                    sent = getattr(engine._batcher, "sent", None)  # replies an engine process served
+                    pid = getattr(engine._batcher, "pid", None)
+                    cpu = cpu_seconds(), None if pid is None else cpu_seconds(pid)
+                    started = time.time()  # wall clock: to match a round with a profiler's samples
+                    result = load_round(engine, chats, clients, replies, settings, not args.no_stream, other)
+                    wall = result["replies"] / result["replies_per_s"]
+                    busy = {  # CPU seconds per wall second of the round: this process's, the engine process's
+                        "cpu_busy": (cpu_seconds() - cpu[0]) / wall,
+                        "engine_cpu_busy": None if pid is None else (cpu_seconds(pid) - cpu[1]) / wall,
+                    }
+                    apart = None if sent is None else engine._batcher.sent - sent
+                    results.append(
+                        {"scheduler": name, **result, **busy, "engine_process_replies": apart, "started": started}
+                    )
+    finally:  # an engine process stops here, not when this process exits (under pytest: much later)
+        for batcher in batchers.values():
+            if hasattr(batcher, "close"):
+                batcher.close()
     hardware = device_name() + ("" if torch.cuda.is_available() else f", {torch.get_num_threads()} threads")
     env = versions()
     header = (

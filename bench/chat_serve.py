@@ -66,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.clients_per_process < 1:
         parser.error("--clients_per_process must be 1 or more")
+    if args.app_pid is not None:  # else its CPU would read as 0.0, a wrong number rather than none
+        import psutil
+
+        if not args.url:
+            parser.error("--app_pid is for an app started apart (--url); the app this starts is read anyway")
+        if not psutil.pid_exists(args.app_pid):
+            parser.error(f"--app_pid {args.app_pid}: no such process")
     from bench.chat import prompt_set
     from bench.common import quiet_transformers
     from chat.engine import ChatEngine, load_apart

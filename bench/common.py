@@ -66,12 +66,12 @@ def percentile(values: list[float], q: float) -> float:
 def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
     """``clients`` threads in a closed loop, each with its own client (``make_stream(k)`` gives client
     k's ``stream(conv, message)``, an iterator of the reply so far), sending ``chats`` in turn until
-    ``replies`` replies are done: replies/s, latency p50/p95, time to the first text p50, each reply's
-    final text, latency and time to its first text (None where it failed) and the errors (a failed
-    reply is counted, not a dead client)."""
-    lock, latencies, firsts, texts, errors = threading.Lock(), [], [], {}, []
-    each: dict[int, float] = {}
-    each_first: dict[int, float] = {}
+    ``replies`` replies are done: ``round_result``'s replies/s, percentiles, each reply's text, latency
+    and time to its first text and the errors (a failed reply is counted, not a dead client)."""
+    lock, errors = threading.Lock(), []
+    texts: dict[int, str | None] = {}
+    latencies: dict[int, float] = {}
+    firsts: dict[int, float] = {}
     taken = iter(range(replies))
 
     def client(k: int) -> None:
@@ -93,10 +93,8 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
                     texts[i] = None
                 continue
             with lock:
-                latencies.append(time.perf_counter() - t0)
-                each[i] = latencies[-1]
-                firsts.append(first if first is not None else latencies[-1])
-                each_first[i] = firsts[-1]
+                latencies[i] = time.perf_counter() - t0
+                firsts[i] = first if first is not None else latencies[i]
                 texts[i] = text
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
@@ -106,18 +104,27 @@ def closed_loop(make_stream, chats, clients: int, replies: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    if not latencies:  # nothing to measure: say why rather than fail on the percentiles
-        raise RuntimeError(f"all {replies} replies failed; the first: {errors[0] if errors else 'no error recorded'}")
+    per_reply = [[d.get(i) for i in range(replies)] for d in (texts, latencies, firsts)]
+    return round_result(clients, wall, *per_reply, errors)
+
+
+def round_result(clients: int, wall: float, texts: list, latencies: list, first_texts: list, errors: list) -> dict:
+    """A closed-loop round's result from its replies (one entry each, None where it failed): replies/s
+    over ``wall`` seconds, latency p50/p95 and time to the first text p50 over the replies that came."""
+    done = [x for x in latencies if x is not None]
+    if not done:  # nothing to measure: say why rather than fail on the percentiles
+        first = errors[0] if errors else "no error recorded"
+        raise RuntimeError(f"all {len(texts)} replies failed; the first: {first}")
     return {
         "clients": clients,
-        "replies": replies,
-        "replies_per_s": replies / wall,
-        "p50": percentile(latencies, 50),
-        "p95": percentile(latencies, 95),
-        "first_text_p50": percentile(firsts, 50),
-        "texts": [texts.get(i) for i in range(replies)],
-        "latencies": [each.get(i) for i in range(replies)],
-        "first_texts": [each_first.get(i) for i in range(replies)],
+        "replies": len(texts),
+        "replies_per_s": len(texts) / wall,
+        "p50": percentile(done, 50),
+        "p95": percentile(done, 95),
+        "first_text_p50": percentile([x for x in first_texts if x is not None], 50),
+        "texts": texts,
+        "latencies": latencies,
+        "first_texts": first_texts,
         "errors": errors,
     }
 

@@ -19,7 +19,7 @@ import uuid
 from types import SimpleNamespace
 
 from bench.api import api_stream, chat_http_stream, chat_stream
-from bench.common import closed_loop, cpu_seconds, percentile
+from bench.common import closed_loop, cpu_seconds, round_result
 
 
 def paths(url: str, preset: str, max_tokens: int, opened: list) -> dict:
@@ -115,22 +115,11 @@ def _clients(conn, barrier, url, name, preset, max_tokens, chats, first, clients
 def merged(parts: list[dict], clients: int) -> dict:
     """One round from its processes' parts: replies over the time from the first start to the last
     end (``time.monotonic``, one clock for all processes of the machine), percentiles over all replies."""
-    joined = {key: [x for p in parts for x in p[key]] for key in ("texts", "latencies", "first_texts", "errors")}
-    done = [x for x in joined["latencies"] if x is not None]
-    firsts = [x for x in joined["first_texts"] if x is not None]
-    replies = len(joined["texts"])
+    joined = [[x for p in parts for x in p[key]] for key in ("texts", "latencies", "first_texts", "errors")]
     wall = max(p["ended"] for p in parts) - min(p["started"] for p in parts)
-    return {
-        "clients": clients,
-        "replies": replies,
-        "replies_per_s": replies / wall,
-        "p50": percentile(done, 50),
-        "p95": percentile(done, 95),
-        "first_text_p50": percentile(firsts, 50),
-        **joined,
-        "client_processes": len(parts),
-        "bench_cpu_per_reply": sum(p["cpu"] for p in parts) / replies,
-    }
+    result = round_result(clients, wall, *joined)
+    cpu = sum(p["cpu"] for p in parts) / result["replies"]
+    return {**result, "client_processes": len(parts), "bench_cpu_per_reply": cpu}
 
 
 def close(clients: list) -> None:

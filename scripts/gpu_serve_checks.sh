@@ -20,9 +20,10 @@ model=${MODEL:-random-400M}
 replies=${REPLIES:-256}
 python=${PYTHON:-python3}
 mkdir -p "$out"
-# The app started apart, its log in OUT_DIR/app-SCHEDULER.log, both processes under a time limit (the app's 60 s longer: it outlives the benchmark) that makes
-# Python print every thread's stack (faulthandler) instead of hanging silently: a call on the H100
-# once printed nothing for 4.5 minutes here, with the app's output kept inside the benchmark.
+# The app started apart, its log in OUT_DIR/app-SCHEDULER.log, both processes under a time limit (the
+# app's 60 s longer: it outlives the benchmark) that makes Python print every thread's stack
+# (faulthandler) instead of hanging silently: a call on the H100 once printed nothing for 4.5 minutes
+# here, with the app's output kept inside the benchmark.
 serve_checks() {
   local port=${PORT:-7861} limit=${SERVE_LIMIT_S:-420} app tag=${CHAT_SCHEDULER:-step}
   CHAT_MODEL="$model" GRADIO_SERVER_NAME=127.0.0.1 GRADIO_SERVER_PORT=$port GRADIO_ANALYTICS_ENABLED=False \

@@ -75,6 +75,15 @@ def test_a_rounds_clients_and_replies_split_over_its_processes_each_client_its_o
     assert len({address(k) for k in range(1000)}) == 1000
 
 
+def test_the_serve_benchmark_refuses_an_app_pid_it_cannot_read(capsys):
+    with pytest.raises(SystemExit):
+        chat_serve.main(["--app_pid", "1"])  # without --url: the app it starts is read anyway
+    assert "--app_pid is for an app started apart (--url)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        chat_serve.main(["--url", "http://127.0.0.1:9/", "--app_pid", str(2**22 + 1)])  # above Linux's pid_max
+    assert "no such process" in capsys.readouterr().err
+
+
 def test_a_failing_client_process_fails_the_round_with_its_error():
     from bench.serve_clients import server_round
     from chat.engine import Conversation
