@@ -32,6 +32,7 @@ from finetune import checkpoint as ckpt
 from finetune import lora
 from finetune.checkpoint import TrainingError  # (defined there, where saving raises it too)
 from finetune.config import TrainConfig
+from finetune.cpu_ops import CPU_OPS_NAMES, cpu_op_state, deepspeed_on_cpu, extension_dir
 from finetune.data import LengthGroupedSampler, row_lengths
 from finetune.evaluate import generation_kwargs
 from finetune.hub import write_model_card
@@ -159,11 +160,6 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     )
 
 
-def deepspeed_on_cpu() -> bool:
-    """Launched with DeepSpeed (accelerate's environment says so) on a machine without CUDA."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
-
-
 def check_compiler() -> None:
     """DeepSpeed on the CPU compiles its CPU Adam op (a torch extension) at the first run: without
     a C++ compiler that is a long traceback minutes in. Fail at once with what is missing."""
@@ -176,52 +172,6 @@ def check_compiler() -> None:
             f"({'/'.join([*names, 'c++', 'g++'])} on PATH): install one, e.g. `apt-get install g++`, "
             "or run `make run` which sets it up"
         )
-
-
-# DeepSpeed's CPU ops, built (compiled with the C++ compiler) by the first CPU run on a machine,
-# into torch's extension cache: the shared-memory communication op when the processes connect, CPU
-# Adam when the engine is made (only with a DeepSpeed optimizer; the CPU recipe uses torch's AdamW).
-CPU_OPS = {"connect": "ShareMemCommBuilder", "prepare": "CPUAdamBuilder"}
-CPU_OPS_NAMES = {"connect": "deepspeed_shm_comm", "prepare": "cpu_adam"}  # their folders in the cache
-
-
-def extension_dir(name: str) -> Path:
-    """Where torch builds and keeps the op ``name`` (torch.utils.cpp_extension's own rule, without
-    its side effect of making the folder)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        accelerator = "cpu"
-        if torch.version.hip is not None:
-            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
-        elif torch.version.cuda is not None:
-            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
-        version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = Path(get_default_build_root()) / f"{version}_{accelerator}"
-    return Path(root) / name
-
-
-def cpu_op_state(step: str) -> str | None:
-    """The state of DeepSpeed's CPU op of ``step`` ("connect" or "prepare") on a CPU run: "built"
-    (or installed prebuilt), "unbuilt" (this run builds it: about a minute on 2 cores), "locked"
-    (its build folder holds torch's lock file: another run is building it, or an interrupted build
-    left the file and every run waits on it), or None (not a DeepSpeed CPU run, or not known)."""
-    if not deepspeed_on_cpu():
-        return None
-    try:
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.git_version_info import installed_ops
-
-        builder = get_accelerator().create_op_builder(CPU_OPS[step])
-        if builder is None or installed_ops.get(builder.NAME):
-            return "built"
-        folder = extension_dir(builder.name)
-    except Exception:  # noqa: BLE001 - only the wording of a phase line depends on it
-        return None
-    if (folder / "lock").exists():
-        return "locked"
-    return "built" if (folder / f"{builder.name}.so").is_file() else "unbuilt"
 
 
 def _op_phase(step: str, what: str, otherwise: str) -> str:

@@ -48,6 +48,19 @@ def _isolated_cache(tmp_path_factory):
     yield cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _deepspeed_cpu_ops_built():
+    """DeepSpeed's CPU ops built before any test starts a run: a test's time limit that killed a run
+    while it built one left torch's lock file, and every later run in the session waited on it (CI
+    timed out). setup.sh builds them; this covers a cache emptied since (or another venv's build)."""
+    from finetune import cpu_ops
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") != "":  # pytest_configure hides CUDA but for `-m gpu`
+        return  # the GPU's tests use no CPU op
+    if cpu_ops.unbuilt():
+        cpu_ops.build()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _own_manager_roots():
     """Each test module sees only the runs roots of its own RunManagers: the process-wide set

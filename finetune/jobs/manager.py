@@ -21,6 +21,7 @@ from pathlib import Path
 from chat.adapters import is_adapter_dir
 from chat.layout import FINAL, RESULTS_FILE, is_hub_id
 from finetune import checkpoint as ckpt
+from finetune.cpu_ops import clear_stale_locks
 from finetune.jobs import paths, process
 from finetune.jobs.command import build_command, detect_gpus, display_command
 from finetune.jobs.index import has_weights
@@ -130,6 +131,11 @@ class RunManager:
                     f"{display_command(argv)}\n".encode()
                 )  # the log is shown to visitors
                 log.flush()
+            # A run stopped while DeepSpeed built its CPU op left torch's lock file, and this run would
+            # wait on it forever; no process of this run exists yet to be building it.
+            if clear_stale_locks():
+                with writing(log_path):
+                    log.write(b"=== deleted the lock file a killed build of a DeepSpeed op left behind\n")
             proc = process.spawn(argv, run_dir, log)
             attempt = {
                 "argv": argv,

@@ -15,7 +15,7 @@ from jobs_helpers import settled, spec, wait_for
 from test_jobs_status import failed_run
 
 from chat.layout import ROOT
-from finetune import parts
+from finetune import cpu_ops, parts
 from finetune.jobs.manager import RunManager
 from finetune.jobs.status import RunStatus, status_of
 from finetune.parts import TrainingError, check_compiler
@@ -174,18 +174,18 @@ def test_the_phase_line_says_when_deepspeed_builds_its_cpu_ops(tmp_path, monkeyp
         pytest.skip("DeepSpeed builds these ops on CPU runs only")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty extension cache: nothing built
-    assert parts.cpu_op_state("connect") == parts.cpu_op_state("prepare") == "unbuilt"
+    assert cpu_ops.cpu_op_state("connect") == cpu_ops.cpu_op_state("prepare") == "unbuilt"
     assert parts.connecting_phase().startswith("building DeepSpeed's CPU communication op (the first CPU run")
     assert not list(tmp_path.iterdir())  # asking makes nothing (torch's own helper made the folder)
     for name in ("deepspeed_shm_comm", "cpu_adam"):  # what torch's extension cache holds once they are built
         (tmp_path / name).mkdir()
         (tmp_path / name / f"{name}.so").write_bytes(b"")
-    assert parts.cpu_op_state("connect") == parts.cpu_op_state("prepare") == "built"
+    assert cpu_ops.cpu_op_state("connect") == cpu_ops.cpu_op_state("prepare") == "built"
     assert parts.connecting_phase() == "connecting the processes"
     (tmp_path / "deepspeed_shm_comm" / "lock").write_bytes(b"")  # torch's build lock, left by a killed build
-    assert parts.cpu_op_state("connect") == "locked"
+    assert cpu_ops.cpu_op_state("connect") == "locked"
     said = parts.connecting_phase()
     assert said.startswith("building DeepSpeed's CPU communication op, or waiting while another process builds it")
     assert f"{tmp_path}/deepspeed_shm_comm/lock`: delete that file" in said
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")  # not a DeepSpeed run: nothing to build
-    assert parts.cpu_op_state("connect") is None and parts.connecting_phase() == "connecting the processes"
+    assert cpu_ops.cpu_op_state("connect") is None and parts.connecting_phase() == "connecting the processes"
