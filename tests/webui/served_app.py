@@ -66,6 +66,8 @@ class Caller:
     Like a browser, it keeps the login token (the app's gr.BrowserState) and sends it as the first
     input of every endpoint that takes it; train_login / train_logout update it and return the rest."""
 
+    TIMEOUT = 300  # seconds an event may take: a model load on a slow CI minute fits
+
     def __init__(self, url: str, token: str | None = None):
         self.client = Client(url, verbose=False)
         self.token = token
@@ -82,7 +84,11 @@ class Caller:
         fn_index = next(d["id"] for d in self.client.config["dependencies"] if d.get("api_name") == api_name)
         if fn_index in self._takes_token:
             args = (self.token, *args)
-        out = self.client.predict(*args, fn_index=fn_index)
+        job = self.client.submit(*args, fn_index=fn_index)
+        try:
+            out = job.result(timeout=self.TIMEOUT)
+        except TimeoutError:  # a stalled event fails its test, saying which, instead of hanging the suite
+            raise TimeoutError(f"{api_name} gave no answer in {self.TIMEOUT} s") from None
         if api_name in ("train_login", "train_logout"):
             self.token, *rest = out
             return tuple(rest)
