@@ -1,12 +1,12 @@
-"""bench.chat_load, bench.chat_serve and bench.gil_wait end to end, small, on the demo model: the
-schedulers (and LoRA adapters spread over the chats) in one run; the engine alone against the
-running app; a torch call beside busy threads."""
+"""bench.chat_load, bench.chat_serve, bench.gil_wait and bench.join_stage end to end, small, on the
+demo model: the schedulers (and LoRA adapters spread over the chats) in one run; the engine alone
+against the running app; a torch call beside busy threads; a join's staging against its baseline."""
 
 import json
 
 import pytest
 
-from bench import chat_load, chat_serve, gil_wait
+from bench import chat_load, chat_serve, gil_wait, join_stage
 from chat.engine import DEMO_DIR
 
 
@@ -144,3 +144,11 @@ def test_the_serve_benchmarks_client_processes_import_no_torch():
     code = f"import sys, bench.chat_serve, bench.serve_clients; print(sorted({heavy} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_join_stage_smoke(tmp_path):
+    out = tmp_path / "stage.json"
+    assert join_stage.main(["--joiners", "1,5", "--repeats", "3", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["joiners"] for r in results] == [1, 5] and all(r["same"] for r in results)
+    assert all(r["lists_ms"] > 0 and r["stage_ms"] > 0 for r in results)

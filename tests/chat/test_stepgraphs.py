@@ -25,9 +25,9 @@ from transformers import (
 from chat.batching import Batcher, Request
 from chat.engine import DEMO_DIR, ChatEngine, load_checkpoint
 from chat.fastgen import EncoderNoRepeatNGram, NoRepeatNGram
-from chat.greedy import choose_greedy, plain_settings
+from chat.greedy import UNPROCESSED, choose_greedy, plain_settings
 from chat.rows import Row
-from chat.stepgraphs import SlotBatch
+from chat.stepgraphs import SlotBatch, stage
 from chat.stepping import StepBatcher
 
 EOS = 2
@@ -246,6 +246,20 @@ def test_a_failed_join_leaves_its_slots_free(demo, static, monkeypatch):  # noqa
         while batch.rows:
             out.update({id(row.request): row.ids[0].tolist() for row in batch.step()})
     assert [out[id(r)] for r in joined] == [test_stepping.alone(static, demo, *r) for r in requests]
+
+
+def test_a_joins_staged_rows_are_each_source_its_mask_and_its_settings_then_padding():
+    fast = {"penalty": 1.5, "eos_until": 2, "forced_at": 9, "ngram": 3}
+    joiners = [([7, 8], 0, fast, 1), ([5, 6, 7, 9], 3, UNPROCESSED, 0)]  # the second fills its slot's 4 positions
+    staged, penalty = stage(joiners, n=4, sources=4, pad=1, spare=8)
+    assert staged.dtype == torch.long and penalty.dtype == torch.float32
+    assert staged.tolist() == [
+        [7, 8, 1, 1, 1, 1, 0, 0, 0, 2, 9, 3, 1],  # ids padded, mask, slot, eos_until, forced_at, ngram, lane
+        [5, 6, 7, 9, 1, 1, 1, 1, 3, 0, -1, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0, 8, 0, -1, 0, 0],  # padding rows: one token seen, into the spare slot
+        [1, 1, 1, 1, 1, 0, 0, 0, 8, 0, -1, 0, 0],
+    ]
+    assert penalty.tolist() == [1.5, 1.0, 1.0, 1.0]
 
 
 def test_a_slot_holds_the_decoders_positions_and_no_more(demo, slots):  # noqa: F811
