@@ -470,12 +470,11 @@ def stage(joiners: list, n: int, sources: int, pad: int, spare: int) -> tuple[to
     In numpy (few torch calls): from nested lists 10.5 ms for 256 joiners on a 2-core Xeon, this 0.8 ms."""
     staged = numpy.zeros((n, 2 * sources + 5), dtype=numpy.int64)
     staged[:, :sources] = pad
-    staged[:, sources] = 1  # padding rows: one token seen (none would divide by zero), into the spare slot
-    staged[:, 2 * sources :] = (spare, 0, -1, 0, 0)
+    staged[len(joiners) :, sources] = 1  # padding rows: one token seen (none would divide by zero),
+    staged[len(joiners) :, 2 * sources :] = (spare, 0, -1, 0, 0)  # written into the spare slot
     penalty = numpy.ones(n, dtype=numpy.float32)
     for k, (ids, slot, settings, lane) in enumerate(joiners):
         staged[k, : len(ids)] = ids
-        staged[k, sources : 2 * sources] = 0
         staged[k, sources : sources + len(ids)] = 1
         staged[k, 2 * sources :] = (slot, settings["eos_until"], settings["forced_at"], settings["ngram"], lane)
         penalty[k] = settings["penalty"]

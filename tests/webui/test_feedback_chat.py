@@ -386,8 +386,8 @@ def test_32_clients_rating_at_once_each_find_their_row_exactly_once(served):
     def visit(i: int) -> str:
         return chat(callers[i], f"hello number {i}", "topic", f"topic {i}")
 
-    # The chats first, all together; then every client rates at the same moment. (One barrier
-    # across both waited on the slowest chat: 32 of them on CI's 2 cores passed its 120 s.)
+    # The chats first, all together; then every client rates at the same moment. (One barrier across
+    # both broke on CI when one chat came late or failed, and the broken barrier hid which.)
     barrier = threading.Barrier(clients)
 
     def rate(i: int, reply: str):
