@@ -67,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.joiners.split(",")]
-    if not counts or min(counts) < 1 or args.sources < 1 or args.repeats < 1:
+    try:
+        counts = [int(n) for n in args.joiners.split(",")]
+    except ValueError:
+        parser.error(f"--joiners takes comma-separated whole numbers, got {args.joiners!r}")
+    if min(counts) < 1 or args.sources < 1 or args.repeats < 1:
         parser.error("--joiners, --sources and --repeats must be whole numbers of 1 or more")
     pool = demo_sources(max(counts), args.sources)
     results = []

@@ -152,3 +152,17 @@ def test_join_stage_smoke(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [r["joiners"] for r in results] == [1, 5] and all(r["same"] for r in results)
     assert all(r["lists_ms"] > 0 and r["stage_ms"] > 0 for r in results)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--joiners", "1,x", "--joiners takes comma-separated whole numbers, got '1,x'"),
+        ("--joiners", "0", "--joiners, --sources and --repeats must be whole numbers of 1 or more"),
+        ("--repeats", "0", "--joiners, --sources and --repeats must be whole numbers of 1 or more"),
+    ],
+)
+def test_join_stage_refuses_bad_counts_by_name(flag, value, said, capsys):
+    with pytest.raises(SystemExit):
+        join_stage.main([flag, value])
+    assert said in capsys.readouterr().err
